@@ -1,0 +1,71 @@
+"""torchspmd: PyTorch/XLA's SPMD programming model on PyTorch's own distributed engine.
+
+Write the program for one device, annotate shardings on a named mesh, run it on every
+device. The public API lives here; see DESIGN.md and docs/.
+"""
+
+from torchspmd._errors import SpmdError
+from torchspmd.runtime import (
+    addressable_device_count,
+    addressable_runtime_device_count,
+    backend,
+    current_step,
+    device,
+    device_type,
+    global_device_count,
+    global_ordinal,
+    global_runtime_device_count,
+    is_spmd,
+    local_device_count,
+    local_ordinal,
+    process_count,
+    process_index,
+    step,
+    use_spmd,
+    world_size,
+)
+from torchspmd.mesh import HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh
+from torchspmd.sharding import (
+    ShardingSpec,
+    clear_sharding,
+    get_sharding,
+    mark_sharding,
+    visualize_sharding,
+    visualize_tensor_sharding,
+)
+from torchspmd.data import MpDeviceLoader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SpmdError",
+    "use_spmd",
+    "is_spmd",
+    "backend",
+    "device",
+    "device_type",
+    "global_runtime_device_count",
+    "global_device_count",
+    "addressable_runtime_device_count",
+    "addressable_device_count",
+    "local_device_count",
+    "global_ordinal",
+    "local_ordinal",
+    "process_index",
+    "process_count",
+    "world_size",
+    "step",
+    "current_step",
+    "Mesh",
+    "HybridMesh",
+    "get_1d_mesh",
+    "set_global_mesh",
+    "get_global_mesh",
+    "mark_sharding",
+    "clear_sharding",
+    "get_sharding",
+    "ShardingSpec",
+    "visualize_sharding",
+    "visualize_tensor_sharding",
+    "MpDeviceLoader",
+]

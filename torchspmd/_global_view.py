@@ -1,0 +1,370 @@
+"""What makes the global view exact on DTensor.
+
+Two things, installed once by ``use_spmd()``:
+
+1. Unannotated tensors are replicated, as in GSPMD. When a torch function receives a
+   DTensor together with plain tensors (a model's parameters meeting a batch from
+   ``MpDeviceLoader``), the plain ones enter as replicated DTensors through
+   ``DTensor.from_local``. That is differentiable: the gradient of a plain parameter
+   comes back as a plain tensor, already summed over the mesh (the all-reduce of data
+   parallelism), so optimizers keep working on plain tensors.
+
+2. Losses and means over a batch-sharded DTensor are exact. DTensor's own rules for
+   ``mse_loss``, ``smooth_l1_loss``, ``nll_loss`` (so ``cross_entropy``) and friends average
+   per-device means, which is wrong when devices hold different numbers of rows (or
+   different numbers of ignored labels), and some refuse uneven splits. Here each
+   device sums its part, the sum stays a pending ``Partial`` reduction, and the
+   division uses the global element count (or the global weight of non-ignored
+   targets): the loss and its gradients equal one device's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.overrides import TorchFunctionMode
+
+aten = torch.ops.aten
+
+_MEAN, _SUM, _NONE = 1, 2, 0
+
+# ---------------------------------------------------------------------------
+# 1. Implicit replication of plain tensors, with differentiable entry.
+# ---------------------------------------------------------------------------
+
+
+def _first_dtensor(args: tuple, kwargs: dict) -> DTensor | None:
+    for a in args:
+        if isinstance(a, DTensor):
+            return a
+        if type(a) in (list, tuple):
+            for b in a:
+                if isinstance(b, DTensor):
+                    return b
+    for a in kwargs.values():
+        if isinstance(a, DTensor):
+            return a
+    return None
+
+
+def _replicated(t: torch.Tensor, like: DTensor) -> DTensor:
+    mesh = like.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _lift(a: Any, like: DTensor) -> Any:
+    if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+        return _replicated(a, like)
+    if type(a) in (list, tuple) and any(
+        isinstance(b, torch.Tensor) and not isinstance(b, DTensor) for b in a
+    ):
+        return type(a)(_lift(b, like) for b in a)
+    return a
+
+
+class _ReplicateUnannotated(TorchFunctionMode):
+    """Lift plain tensors that meet a DTensor to replicated DTensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        like = _first_dtensor(args, kwargs)
+        if like is not None and func not in _NO_LIFT:
+            args = tuple(_lift(a, like) for a in args)
+            kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+# Functions that legitimately take a DTensor beside plain tensors.
+_NO_LIFT = {torch.Tensor.__setitem__, torch.Tensor.__getitem__}
+
+_MODE: _ReplicateUnannotated | None = None
+
+
+def install() -> None:
+    """Install both mechanisms (idempotent)."""
+    global _MODE
+    if _MODE is None:
+        _MODE = _ReplicateUnannotated()
+        _MODE.__enter__()
+    DTensor._op_dispatcher._custom_op_handlers.update(_HANDLERS)
+
+
+# ---------------------------------------------------------------------------
+# 2. Exact reductions over sharded rows.
+# ---------------------------------------------------------------------------
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _wrap(local: torch.Tensor, mesh, placements, shape: tuple[int, ...]) -> DTensor:
+    spec = DTensorSpec(
+        mesh,
+        tuple(placements),
+        tensor_meta=TensorMeta(torch.Size(shape), _contiguous_stride(tuple(shape)), local.dtype),
+    )
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def _settle(t: DTensor) -> DTensor:
+    """Resolve pending reductions (Partial) so the local values are plain data."""
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return t
+
+
+def _align(t: Any, ref: DTensor) -> Any:
+    """``t`` laid out like ``ref`` (same mesh, same placements) when it has ``ref``'s
+    shape; a tensor of another shape (a weight broadcast over rows) whole."""
+    if t is None or not isinstance(t, torch.Tensor):
+        return t
+    if tuple(t.shape) != tuple(ref.shape):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        t = _replicated(t, ref)
+    if t.device_mesh != ref.device_mesh:
+        raise ValueError(
+            f"torchspmd: loss inputs live on different meshes ({t.device_mesh} and {ref.device_mesh}); "
+            f"put both on one mesh"
+        )
+    if tuple(t.placements) != tuple(ref.placements):
+        t = t.redistribute(ref.device_mesh, ref.placements)
+    return t
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sum_placements(x: DTensor) -> list:
+    """Placements of a full reduction of ``x``: pending sums over its shard axes."""
+    return [Partial("sum") if p.is_shard() else Replicate() for p in x.placements]
+
+
+def _group_sum(value: torch.Tensor, x: DTensor) -> torch.Tensor:
+    """Sum a local scalar over the mesh axes that shard ``x`` (a real all-reduce)."""
+    value = value.clone()
+    mesh = x.device_mesh
+    for dim, p in enumerate(x.placements):
+        if p.is_shard() and mesh.size(dim) > 1:
+            dist.all_reduce(value, group=mesh.get_group(dim))
+    return value
+
+
+def _pointwise_loss_forward(n_inputs: int) -> Callable:
+    """Handler for ``op(self, target, [weight,] reduction, *extra)``: one loss value per
+    element, then none / sum / mean over all elements."""
+
+    def handler(op, args, kwargs):
+        args = list(args)
+        schema_names = [a.name for a in op._schema.arguments]
+        values = dict(zip(schema_names, args))
+        values.update(kwargs)
+        x = _settle(values["self"])
+        reduction = values.get("reduction", _MEAN)
+        tensors = {name: _local(_align(values[name], x)) for name in schema_names[1:n_inputs]}
+        call = {n: (tensors[n] if n in tensors else _local(values[n])) for n in schema_names if n in values}
+        call["self"] = x.to_local()
+        if reduction == _NONE:
+            call["reduction"] = _NONE
+            out = op(**call)
+            return _wrap(out, x.device_mesh, x.placements, tuple(x.shape))
+        call["reduction"] = _SUM
+        out = op(**call)
+        if reduction == _MEAN:
+            out = out / x.numel()
+        return _wrap(out, x.device_mesh, _sum_placements(x), ())
+
+    return handler
+
+
+def _pointwise_loss_backward(n_inputs: int) -> Callable:
+    """Handler for ``op_backward(grad_output, self, target, [weight,] reduction, *extra)``."""
+
+    def handler(op, args, kwargs):
+        args = list(args)
+        schema_names = [a.name for a in op._schema.arguments]
+        values = dict(zip(schema_names, args))
+        values.update(kwargs)
+        x = _settle(values["self"])
+        reduction = values["reduction"]
+        call = {n: _local(values[n]) for n in schema_names if n in values}
+        call["self"] = x.to_local()
+        for name in schema_names[2 : n_inputs + 1]:
+            call[name] = _local(_align(values[name], x))
+        grad = values["grad_output"]
+        if reduction == _NONE:
+            call["grad_output"] = _local(_align(grad, x))
+            out = op(**call)
+        else:
+            g = _local(_settle(grad) if isinstance(grad, DTensor) else grad)
+            call["grad_output"] = g
+            call["reduction"] = _SUM
+            out = op(**call)
+            if reduction == _MEAN:
+                out = out / x.numel()
+        return _wrap(out, x.device_mesh, x.placements, tuple(x.shape))
+
+    return handler
+
+
+def _channel_dim(x: DTensor) -> int:
+    return 0 if x.ndim == 1 else 1
+
+
+def _nll_prepare(values: dict) -> tuple[DTensor, DTensor, Any]:
+    x = _settle(values["self"])
+    cdim = _channel_dim(x)
+    if any(p.is_shard(cdim) for p in x.placements) and x.ndim > 1:
+        # Sharded classes (vocabulary parallelism): gather them; loss_parallel() is the
+        # specialised tool for that layout.
+        x = x.redistribute(x.device_mesh, [Replicate() if p.is_shard(cdim) else p for p in x.placements])
+    target_placements = []
+    for p in x.placements:
+        if p.is_shard():
+            d = p.dim if p.dim < cdim or x.ndim == 1 else p.dim - 1
+            target_placements.append(Shard(d))
+        else:
+            target_placements.append(Replicate())
+    target = values["target"]
+    if not isinstance(target, DTensor):
+        target = _replicated(target, x)
+    if tuple(target.placements) != tuple(target_placements):
+        target = target.redistribute(x.device_mesh, target_placements)
+    weight = values.get("weight")
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    return x, target, weight
+
+
+def _nll_forward(op, args, kwargs):
+    names = [a.name for a in op._schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    x, target, weight = _nll_prepare(values)
+    reduction, ignore_index = values["reduction"], values["ignore_index"]
+    out, total_weight = op(x.to_local(), target.to_local(), weight, _SUM if reduction == _MEAN else reduction, ignore_index)
+    mesh = x.device_mesh
+    if reduction == _NONE:
+        return (
+            _wrap(out, mesh, target.placements, tuple(target.shape)),
+            _wrap(total_weight, mesh, [Replicate()] * mesh.ndim, ()),
+        )
+    global_weight = _group_sum(total_weight, x)
+    if reduction == _MEAN:
+        out = out / global_weight
+    return (
+        _wrap(out, mesh, _sum_placements(x), ()),
+        _wrap(global_weight, mesh, [Replicate()] * mesh.ndim, ()),
+    )
+
+
+def _nll_backward(op, args, kwargs):
+    names = [a.name for a in op._schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    x, target, weight = _nll_prepare(values)
+    reduction, ignore_index = values["reduction"], values["ignore_index"]
+    grad = values["grad_output"]
+    total_weight = values["total_weight"]
+    total_weight = _local(_settle(total_weight)) if isinstance(total_weight, DTensor) else total_weight
+    if reduction == _NONE:
+        g = _local(_align(grad, target))
+    else:
+        g = _local(_settle(grad)) if isinstance(grad, DTensor) else grad
+    out = op(g, x.to_local(), target.to_local(), weight, reduction, ignore_index, total_weight)
+    return _wrap(out, x.device_mesh, x.placements, tuple(x.shape))
+
+
+def _reduced_dims(ndim: int, dim: Any) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    return sorted({d % max(ndim, 1) for d in dim})
+
+
+def _mean(op, args, kwargs):
+    names = [a.name for a in op._schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    x = _settle(values["self"])
+    dims = _reduced_dims(x.ndim, values.get("dim"))
+    keepdim = bool(values.get("keepdim", False))
+    dtype = values.get("dtype")
+    local = x.to_local()
+    if dims:
+        out = torch.sum(local, dim=dims, keepdim=keepdim, dtype=dtype)
+    else:
+        out = local.to(dtype) if dtype is not None else local.clone()
+    count = math.prod(x.shape[d] for d in dims) if dims else 1
+    if not (out.is_floating_point() or out.is_complex()):
+        raise RuntimeError(f"mean(): could not infer output dtype; input dtype {x.dtype}")
+    out = out / count
+    placements = []
+    for p in x.placements:
+        if p.is_shard() and p.dim in dims:
+            placements.append(Partial("sum"))
+        elif p.is_shard():
+            shift = 0 if keepdim else sum(1 for d in dims if d < p.dim)
+            placements.append(Shard(p.dim - shift))
+        else:
+            placements.append(Replicate())
+    shape = [1 if d in dims else s for d, s in enumerate(x.shape)] if keepdim else [
+        s for d, s in enumerate(x.shape) if d not in dims
+    ]
+    return _wrap(out, x.device_mesh, placements, tuple(shape))
+
+
+def _item(op, args, kwargs):
+    """``tensor.item()``: the global value, whatever the layout (DTensor returns the local
+    value of a pending sum otherwise)."""
+    (x,) = args
+    mesh = x.device_mesh
+    if any(not p.is_replicate() for p in x.placements):
+        x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return op(x.to_local())
+
+
+def _below_autograd(handler: Callable) -> Callable:
+    """Handlers run under the autograd kernel; their internal redistributions must not
+    record a graph of their own."""
+
+    def run(op, args, kwargs):
+        with torch.no_grad():
+            return handler(op, args, kwargs)
+
+    return run
+
+
+_HANDLERS: dict = {
+    aten._local_scalar_dense.default: _item,
+    aten.mse_loss.default: _pointwise_loss_forward(2),
+    aten.mse_loss_backward.default: _pointwise_loss_backward(2),
+    aten.smooth_l1_loss.default: _pointwise_loss_forward(2),
+    aten.smooth_l1_loss_backward.default: _pointwise_loss_backward(2),
+    aten.huber_loss.default: _pointwise_loss_forward(2),
+    aten.huber_loss_backward.default: _pointwise_loss_backward(2),
+    aten.soft_margin_loss.default: _pointwise_loss_forward(2),
+    aten.soft_margin_loss_backward.default: _pointwise_loss_backward(2),
+    aten.binary_cross_entropy.default: _pointwise_loss_forward(3),
+    aten.binary_cross_entropy_backward.default: _pointwise_loss_backward(3),
+    aten.binary_cross_entropy_with_logits.default: _pointwise_loss_forward(4),
+    aten.nll_loss_forward.default: _nll_forward,
+    aten.nll_loss2d_forward.default: _nll_forward,
+    aten.nll_loss_backward.default: _nll_backward,
+    aten.nll_loss2d_backward.default: _nll_backward,
+    aten.mean.default: _mean,
+    aten.mean.dim: _mean,
+}
+_HANDLERS = {op: _below_autograd(h) for op, h in _HANDLERS.items()}

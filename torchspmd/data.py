@@ -1,0 +1,389 @@
+"""``MpDeviceLoader``: global batches, each process reading only its own rows.
+
+The wrapped loader describes the *global* batch (``batch_size`` is the global batch
+size). Each process loads only the rows it holds under ``input_sharding``, moves them
+to its device in a background thread, and yields DTensors of the global shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import queue
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.utils.data import DataLoader, IterableDataset
+
+from torchspmd import runtime
+from torchspmd._errors import SpmdError
+from torchspmd.mesh import Mesh
+from torchspmd.sharding import ShardingSpec, _coord_of, _chunk, block_of
+
+__all__ = ["MpDeviceLoader"]
+
+_END = object()
+
+
+class _Error:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+class _Layout:
+    """How the batch's tensors are laid out: per-key specs and the axes splitting rows."""
+
+    def __init__(self, input_sharding: Any):
+        self.sharding = input_sharding
+        specs = (
+            list(input_sharding.values())
+            if isinstance(input_sharding, dict)
+            else ([input_sharding] if input_sharding is not None else [])
+        )
+        for s in specs:
+            if not isinstance(s, ShardingSpec):
+                raise SpmdError(
+                    f"MpDeviceLoader(input_sharding=...): expected a ShardingSpec or a dict of them, "
+                    f"got {type(s).__name__}"
+                )
+        meshes = {id(s.mesh): s.mesh for s in specs}
+        if len(meshes) > 1:
+            raise SpmdError("MpDeviceLoader(input_sharding=...): all ShardingSpecs must use the same mesh")
+        self.mesh: Mesh | None = specs[0].mesh if specs else None
+        self.minibatch = any(s.minibatch for s in specs)
+        if self.minibatch and not all(s.minibatch for s in specs):
+            raise SpmdError("MpDeviceLoader(input_sharding=...): mix of minibatch=True and False specs")
+        row_axes = {s._resolved[0] if s._resolved else () for s in specs}
+        # Axes that split dim 0 (the batch): shared by all specs, else no per-process reading.
+        self.row_axes: tuple[int, ...] | None = row_axes.pop() if len(row_axes) == 1 else None
+        if self.mesh is not None:
+            self.dmesh = self.mesh.device_mesh  # created here, in the main thread, on every rank
+            self.coord = _coord_of(self.mesh, dist.get_rank())
+        self._rows_warned = False
+
+    @property
+    def row_shards(self) -> int:
+        if not self.row_axes or self.mesh is None:
+            return 1
+        n = 1
+        for a in self.row_axes:
+            n *= self.mesh.mesh_shape[a]
+        return n
+
+    def rows_of_this_rank(self, n: int) -> tuple[int, int]:
+        """(start, length) of this process's rows in a global batch of ``n`` rows."""
+        if not self.row_axes:
+            return 0, n
+        start, length = 0, n
+        for a in self.row_axes:
+            s, length = _chunk(length, self.mesh.mesh_shape[a], self.coord[a])
+            start += s
+        return start, length
+
+    def check_rows(self, n: int, where: str) -> None:
+        k = self.row_shards
+        if k > 1 and (n == 0 or _chunk(n, k, k - 1)[1] == 0):
+            size = -(-n // k) if n else 0
+            names = tuple(self.mesh.axis_label(a) for a in self.row_axes)
+            raise SpmdError(
+                f"MpDeviceLoader: {where} has {n} rows on dim 0, which cannot be split over the "
+                f"{k} devices of mesh axes {names}: split like torch.chunk into pieces of {size}, "
+                f"the last device would get no row. Use a global batch size divisible by {k} "
+                f"(or at least {k}, with the remainder spread), or drop the odd last batch "
+                f"(DataLoader(drop_last=True) or fixed_batch_size=True)"
+            )
+
+    def spec_for(self, key, t: torch.Tensor) -> ShardingSpec | None:
+        if isinstance(self.sharding, dict):
+            return self.sharding[key]
+        return self.sharding
+
+    def placements_for(self, spec: ShardingSpec | None, t: torch.Tensor) -> list[Placement]:
+        assert self.mesh is not None
+        if spec is not None and spec.can_apply(t):
+            return spec.placements
+        # The spec does not fit this tensor's rank (labels beside images): split its batch
+        # dim like the other tensors' so the global value is the same and each process keeps
+        # only its rows.
+        placements: list[Placement] = [Replicate()] * self.mesh.ndim
+        if t.dim() > 0:
+            for a in self.row_axes or ():
+                placements[a] = Shard(0)
+        return placements
+
+
+def _map_batch(batch: Any, fn, key=None) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(key, batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _map_batch(v, fn, k)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_map_batch(v, fn, key) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_batch(v, fn, key) for v in batch)
+    return batch
+
+
+class _SliceBatches:
+    """A batch sampler yielding this process's part of each global batch of indices."""
+
+    def __init__(self, inner, layout: _Layout):
+        self.inner = inner
+        self.layout = layout
+        self.global_sizes: collections.deque[int] = collections.deque()
+        self.first: list | None = None
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        it = iter(self.inner)
+        # Draw the first batch now, in the caller's thread, so the sampler's random seed is
+        # taken from the main thread's generator on every process alike.
+        first = next(it, None)
+        self.first = list(first) if first is not None else []
+        return self._gen(first, it)
+
+    def _gen(self, first, it):
+        if first is None:
+            return
+        for indices in _chain(first, it):
+            indices = list(indices)
+            n = len(indices)
+            self.layout.check_rows(n, f"a batch of {n} samples")
+            start, length = self.layout.rows_of_this_rank(n)
+            self.global_sizes.append(n)
+            yield indices[start : start + length]
+
+
+def _chain(first, it):
+    yield first
+    yield from it
+
+
+def _can_read_own_rows(loader: Any, layout: _Layout, batchdim: int) -> bool:
+    return (
+        isinstance(loader, DataLoader)
+        and not isinstance(loader.dataset, IterableDataset)
+        and loader.batch_sampler is not None
+        and batchdim == 0
+        and layout.mesh is not None
+        and bool(layout.row_axes)
+        and not layout.minibatch
+    )
+
+
+def _local_loader(loader: DataLoader, batch_sampler) -> DataLoader:
+    kwargs = dict(
+        batch_sampler=batch_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs)
+
+
+class MpDeviceLoader:
+    """Wrap a loader of global batches; iterate to get sharded global batches.
+
+    Args:
+        loader: yields global batches (tensors, or tuples/lists/dicts of them). A
+            ``torch.utils.data.DataLoader`` over a map-style dataset is read per process:
+            each process fetches only its rows. Any other iterable is read whole by
+            every process, which keeps its block.
+        device: where the local blocks go (``torchspmd.device()``).
+        input_sharding: a ``ShardingSpec`` for every tensor, or a dict of them keyed like
+            the batch's dict (every key needs one). ``None``: the batch is replicated. A
+            tensor whose rank does not fit the spec is split on its batch dim like the
+            others (same global value, rows kept where they are used).
+        loader_prefetch_size, device_prefetch_size: batches read ahead / kept ready.
+        batchdim: the batch dim of the loader's tensors (per-process reading needs 0).
+        fixed_batch_size: stop at the first batch whose size differs from the first one
+            (drops an odd last batch).
+    """
+
+    def __init__(
+        self,
+        loader,
+        device,
+        *,
+        input_sharding: ShardingSpec | dict | None = None,
+        loader_prefetch_size: int = 8,
+        device_prefetch_size: int = 4,
+        batchdim: int = 0,
+        fixed_batch_size: bool = False,
+        host_to_device_transfer_threads: int = 1,
+    ):
+        runtime._require_spmd("MpDeviceLoader")
+        if input_sharding is not None and not isinstance(input_sharding, (ShardingSpec, dict)):
+            raise SpmdError(
+                f"MpDeviceLoader(input_sharding=...): expected a ShardingSpec, a dict of them, or None; "
+                f"got {type(input_sharding).__name__}"
+            )
+        self._loader = loader
+        self._device = torch.device(device)
+        self._layout = _Layout(input_sharding)
+        self._prefetch = max(1, int(device_prefetch_size))
+        self._batchdim = batchdim
+        self._fixed = fixed_batch_size
+        self.per_process_reading = _can_read_own_rows(loader, self._layout, batchdim)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Iterator(self)
+
+
+class _Iterator:
+    def __init__(self, owner: MpDeviceLoader):
+        self.owner = owner
+        self.layout = owner._layout
+        self.queue: queue.Queue = queue.Queue(maxsize=owner._prefetch)
+        self.stop = threading.Event()
+        self.first_size: int | None = None
+        if owner.per_process_reading:
+            self.slicer = _SliceBatches(owner._loader.batch_sampler, self.layout)
+            source = iter(_local_loader(owner._loader, self.slicer))
+            self._check_same_batches(self.slicer.first or [])
+        else:
+            self.slicer = None
+            source = iter(owner._loader)
+        self.thread = threading.Thread(target=self._work, args=(source,), daemon=True, name="torchspmd-loader")
+        self.thread.start()
+
+    def _check_same_batches(self, indices: list) -> None:
+        """Every process must draw the same global batches (same sampler seed)."""
+        if dist.get_world_size() == 1:
+            return
+        digest = hashlib.sha1(repr(indices).encode()).digest()[:7]
+        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
+        allv = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(allv, mine)
+        if any(int(v) != int(mine) for v in allv):
+            raise SpmdError(
+                "MpDeviceLoader: the processes drew different global batches from the loader's sampler. "
+                "Seed torch the same way on every process before iterating (torch.manual_seed(seed)), "
+                "or give the DataLoader a generator with a fixed seed"
+            )
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.queue.get()
+        if item is _END:
+            self.queue.put(_END)
+            raise StopIteration
+        if isinstance(item, _Error):
+            self.queue.put(item)
+            raise item.exc
+        return item
+
+    def __del__(self):
+        self.stop.set()
+
+    # -- background thread ---------------------------------------------------------
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, source) -> None:
+        try:
+            for n, batch in enumerate(source):
+                size = self._batch_rows(batch)
+                if self.owner._fixed:
+                    if self.first_size is None:
+                        self.first_size = size
+                    elif size != self.first_size:
+                        break
+                out = self._shard(batch, n)
+                if not self._put(out):
+                    return
+            self._put(_END)
+        except BaseException as e:  # delivered to the consumer
+            self._put(_Error(e))
+
+    def _batch_rows(self, batch) -> int | None:
+        if self.slicer is not None and self.slicer.global_sizes:
+            return self.slicer.global_sizes[0]
+        sizes = []
+        _map_batch(batch, lambda k, t: sizes.append(t.shape[0]) if t.dim() else None)
+        return sizes[0] if sizes else None
+
+    def _shard(self, batch, n: int):
+        layout = self.layout
+        device = self.owner._device
+        global_rows = self.slicer.global_sizes.popleft() if self.slicer is not None else None
+        if isinstance(layout.sharding, dict):
+            if not isinstance(batch, dict):
+                raise ValueError(
+                    f"MpDeviceLoader: input_sharding is a dict (keys {sorted(layout.sharding)}) but the "
+                    f"batch is a {type(batch).__name__}; yield dict batches or pass one ShardingSpec"
+                )
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor) and k not in layout.sharding:
+                    raise KeyError(
+                        f"MpDeviceLoader: batch key {k!r} has no entry in input_sharding "
+                        f"(keys {sorted(layout.sharding)}); add a ShardingSpec for it"
+                    )
+
+        def convert(key, t: torch.Tensor):
+            if layout.mesh is None:
+                return t.to(device, non_blocking=True)
+            spec = layout.spec_for(key, t)
+            placements = layout.placements_for(spec, t)
+            if layout.minibatch and t.dim() > 0:
+                # Each process yielded its own rows; every process yields parts of one size.
+                gshape = (t.shape[0] * layout.row_shards, *t.shape[1:])
+                read_start = 0
+            elif global_rows is not None and t.dim() > 0:
+                gshape = (global_rows, *t.shape[1:])
+                read_start, _ = layout.rows_of_this_rank(global_rows)
+            else:
+                gshape = tuple(t.shape)
+                read_start = None
+                if t.dim() > 0 and any(p.is_shard(0) for p in placements):
+                    layout.check_rows(t.shape[0], f"batch {n} (tensor {key!r})" if key else f"batch {n}")
+            block = block_of(gshape, layout.mesh.mesh_shape, placements, layout.coord)
+            local = t
+            for d, (start, length) in enumerate(block):
+                if d == 0 and read_start is not None:
+                    if local.shape[0] != length:
+                        raise SpmdError(
+                            f"MpDeviceLoader: tensor {key!r} of batch {n} has {local.shape[0]} rows for this "
+                            f"process, expected {length}: every tensor of a batch must have the batch on dim 0"
+                        )
+                    continue
+                if length != local.shape[d]:
+                    local = local.narrow(d, start, length)
+            local = local.contiguous().to(device, non_blocking=True)
+            return DTensor.from_local(
+                local, layout.dmesh, placements, run_check=False, shape=torch.Size(gshape),
+                stride=_contiguous_stride(gshape),
+            )
+
+        return _map_batch(batch, convert)

@@ -1,0 +1,197 @@
+"""Named device meshes: ``Mesh``, ``HybridMesh``, ``get_1d_mesh`` and the global mesh.
+
+A ``Mesh`` is torch_xla's logical mesh (device ids laid out in a shape, axes named)
+and is backed by a ``torch.distributed.DeviceMesh`` over the same ranks: device id
+``i`` is the process of rank ``i``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from torchspmd import runtime
+from torchspmd._errors import SpmdError
+
+__all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
+
+
+class Mesh:
+    """A logical device mesh.
+
+    Args:
+        device_ids: the devices (ranks) in C order; reshaped to ``mesh_shape``.
+        mesh_shape: devices along each axis; its product is the number of devices.
+        axis_names: one unique name per axis, e.g. ``('data', 'model')``.
+
+    Example::
+
+        mesh = Mesh(np.arange(8), (4, 2), ('data', 'model'))
+        mesh.get_logical_mesh()   # array([[0, 1], [2, 3], [4, 5], [6, 7]])
+        mesh.shape()              # OrderedDict([('data', 4), ('model', 2)])
+    """
+
+    def __init__(self, device_ids, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None):
+        ids = np.asarray(device_ids)
+        if ids.ndim != 1:
+            ids = ids.reshape(-1)
+        try:
+            shape = tuple(int(s) for s in mesh_shape)
+        except TypeError:
+            raise SpmdError(f"Mesh(mesh_shape={mesh_shape!r}): give a tuple of axis sizes, e.g. (4, 2)") from None
+        if any(s < 1 for s in shape):
+            raise SpmdError(f"Mesh(mesh_shape={shape}): every axis needs at least one device")
+        if axis_names is not None:
+            axis_names = tuple(axis_names)
+            if len(axis_names) != len(shape):
+                raise SpmdError(
+                    f"Mesh(axis_names={axis_names}): {len(axis_names)} names for a mesh_shape of "
+                    f"{len(shape)} axes {shape}; give one name per axis"
+                )
+            if not all(isinstance(n, str) and n for n in axis_names):
+                raise SpmdError(f"Mesh(axis_names={axis_names}): axis names must be non-empty strings")
+            dup = sorted({n for n in axis_names if axis_names.count(n) > 1})
+            if dup:
+                raise SpmdError(f"Mesh(axis_names={axis_names}): axis name {dup[0]!r} is repeated; names must be unique")
+        if len(ids) != int(np.prod(shape)):
+            raise SpmdError(
+                f"Mesh: {len(ids)} device_ids do not fill mesh_shape {shape} "
+                f"(product {int(np.prod(shape))}); the product of mesh_shape must equal the number of devices"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise SpmdError(f"Mesh(device_ids=...): device ids must be integers, got dtype {ids.dtype}")
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise SpmdError(f"Mesh(device_ids=...): device id {int(uniq[counts > 1][0])} appears more than once")
+        bad = [int(d) for d in ids if d < 0 or d >= len(ids)]
+        if bad:
+            raise SpmdError(
+                f"Mesh(device_ids=...): device id {bad[0]} is out of range; ids must be 0..{len(ids) - 1} "
+                f"for a mesh of {len(ids)} devices"
+            )
+        self.device_ids = ids
+        self.mesh_shape = shape
+        self.axis_names = axis_names
+        self._device_mesh = None
+
+    # torch_xla's accessors -------------------------------------------------
+    def size(self) -> int:
+        return int(np.prod(self.mesh_shape))
+
+    def shape(self) -> OrderedDict:
+        if self.axis_names is None:
+            return OrderedDict(enumerate(self.mesh_shape))
+        return OrderedDict(zip(self.axis_names, self.mesh_shape))
+
+    def get_logical_mesh(self) -> np.ndarray:
+        return self.device_ids.reshape(self.mesh_shape)
+
+    def get_axis_name_idx(self, name: str) -> int | None:
+        if self.axis_names is None or name not in self.axis_names:
+            return None
+        return self.axis_names.index(name)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.mesh_shape)
+
+    def axis_label(self, index: int):
+        """The name of axis ``index``, or the index on an unnamed mesh."""
+        return self.axis_names[index] if self.axis_names is not None else index
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{k}={v}" for k, v in self.shape().items())
+        return f"Mesh({axes})"
+
+    # the engine underneath ----------------------------------------------
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.DeviceMesh`` over the same ranks (created on first use;
+        every process must reach it, as every process runs the same program)."""
+        if self._device_mesh is None:
+            runtime._require_spmd("Mesh.device_mesh")
+            n = runtime.global_runtime_device_count()
+            if self.size() != n:
+                raise SpmdError(
+                    f"{self!r} of shape {self.mesh_shape} is not mappable over {n} devices: "
+                    f"the product of mesh_shape must equal global_runtime_device_count() ({n})"
+                )
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh(
+                runtime.device_type(),
+                torch.as_tensor(self.get_logical_mesh(), dtype=torch.int64),
+                mesh_dim_names=self.axis_names,
+            )
+        return self._device_mesh
+
+
+class HybridMesh(Mesh):
+    """A mesh over several hosts: ``ici_mesh_shape`` lays out the devices of one host,
+    ``dcn_mesh_shape`` how hosts tile the mesh (the axes crossing the slower network).
+
+    Hosts are torchrun's nodes: ``LOCAL_WORLD_SIZE`` devices each, ranks numbered host by
+    host. The mesh shape is the element-wise product of both shapes.
+    """
+
+    def __init__(
+        self,
+        *,
+        ici_mesh_shape: Sequence[int],
+        dcn_mesh_shape: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+    ):
+        ici = tuple(int(s) for s in ici_mesh_shape)
+        dcn = tuple(int(s) for s in dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
+        if len(ici) != len(dcn):
+            raise SpmdError(
+                f"HybridMesh: ici_mesh_shape {ici} and dcn_mesh_shape {dcn} must have the same number of axes"
+            )
+        total = runtime.global_runtime_device_count()
+        per_host = runtime.local_device_count()
+        hosts = max(1, total // per_host)
+        if int(np.prod(dcn)) != hosts:
+            raise SpmdError(
+                f"HybridMesh(dcn_mesh_shape={dcn}): the job has {hosts} host(s) of {per_host} devices; "
+                f"the product of dcn_mesh_shape must equal the number of hosts"
+            )
+        if int(np.prod(ici)) != per_host:
+            raise SpmdError(
+                f"HybridMesh(ici_mesh_shape={ici}): each host has {per_host} devices; "
+                f"the product of ici_mesh_shape must equal it"
+            )
+        self.ici_mesh_shape = ici
+        self.dcn_mesh_shape = dcn
+        host_meshes = [np.arange(h * per_host, (h + 1) * per_host).reshape(ici) for h in range(hosts)]
+        # Tile the per-host meshes by the dcn shape: host (i, j, ...) occupies block (i, j, ...).
+        grid = np.arange(hosts).reshape(dcn)
+        full = np.empty(tuple(a * b for a, b in zip(ici, dcn)), dtype=np.int64)
+        for idx in np.ndindex(*dcn):
+            block = tuple(slice(i * s, (i + 1) * s) for i, s in zip(idx, ici))
+            full[block] = host_meshes[int(grid[idx])]
+        super().__init__(full.reshape(-1), full.shape, axis_names)
+
+
+_GLOBAL_MESH: Mesh | None = None
+
+
+def set_global_mesh(mesh: Mesh) -> None:
+    """Make ``mesh`` the default for FSDPv2 and for calls given no mesh."""
+    if not isinstance(mesh, Mesh):
+        raise SpmdError(f"set_global_mesh(mesh=...): expected a torchspmd Mesh, got {type(mesh).__name__}")
+    global _GLOBAL_MESH
+    _GLOBAL_MESH = mesh
+
+
+def get_global_mesh() -> Mesh | None:
+    """The mesh set by ``set_global_mesh``, or None."""
+    return _GLOBAL_MESH
+
+
+def get_1d_mesh(axis_name: str | None = None) -> Mesh:
+    """All devices along one axis (named ``axis_name`` if given)."""
+    n = runtime.global_runtime_device_count()
+    return Mesh(np.arange(n), (n,), (axis_name,) if axis_name is not None else None)

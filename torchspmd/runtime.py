@@ -1,0 +1,281 @@
+"""Runtime: SPMD mode, devices, process groups, relaunch, and ``step()``.
+
+One logical program; one process per device underneath. ``use_spmd()`` sets the
+process up: it joins the process group its launcher made (``torchrun``,
+``torchspmd run``), or, started as a plain ``python script.py`` with more than one
+device configured, re-launches the script once per device on PyTorch's elastic
+launcher and exits with the children's status.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from torchspmd._errors import SpmdError
+
+__all__ = [
+    "use_spmd",
+    "is_spmd",
+    "backend",
+    "device",
+    "device_type",
+    "global_runtime_device_count",
+    "global_device_count",
+    "addressable_runtime_device_count",
+    "addressable_device_count",
+    "local_device_count",
+    "global_ordinal",
+    "local_ordinal",
+    "process_index",
+    "process_count",
+    "world_size",
+    "step",
+    "current_step",
+]
+
+_BACKENDS = ("cpu", "cuda", "xla")
+# Environment variables read by the runtime (documented in docs/runtime.md).
+ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"  # local processes to use, any device type
+ENV_BACKEND = "TORCHSPMD_BACKEND"  # cpu | cuda | xla
+ENV_ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"  # 1: keep stdout/warnings of every rank
+XLA_CPU_NUM_DEVICES = "CPU_NUM_DEVICES"  # torch_xla's name, honoured on CPU too
+
+
+@dataclass
+class _State:
+    spmd: bool = False
+    backend: str | None = None
+    device: torch.device | None = None
+    step: int = 0
+    owns_process_group: bool = False
+
+
+_STATE = _State()
+
+
+def _launched() -> bool:
+    """True when a launcher (torchrun, torchspmd run) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _choose_backend(requested: str | None) -> str:
+    name = requested or os.environ.get(ENV_BACKEND) or None
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = name.lower()
+    if name not in _BACKENDS:
+        raise SpmdError(
+            f"use_spmd(backend={name!r}): unknown backend; choose one of {', '.join(_BACKENDS)} "
+            f"(or leave it unset to pick cuda when available, else cpu)"
+        )
+    if name == "xla":
+        raise SpmdError(
+            "use_spmd(backend='xla'): the torch_xla backend is not part of this version of "
+            "torchspmd yet; use backend='cpu' or 'cuda' (the native engine)"
+        )
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpmdError(
+            "use_spmd(backend='cuda'): no CUDA device is visible to PyTorch "
+            "(torch.cuda.is_available() is False); use backend='cpu'"
+        )
+    return name
+
+
+def _parse_count(value: str, source: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise SpmdError(f"{source}={value!r} is not an integer; set it to the number of devices") from None
+    if n < 1:
+        raise SpmdError(f"{source}={n}: the number of devices must be at least 1")
+    return n
+
+
+def _configured_local_devices(backend_name: str, num_devices: int | None = None) -> int:
+    """Devices this host should use when the script was not started by a launcher."""
+    if num_devices is not None:
+        if not isinstance(num_devices, int) or num_devices < 1:
+            raise SpmdError(f"use_spmd(num_devices={num_devices!r}): give a positive integer")
+        return num_devices
+    if os.environ.get(ENV_NUM_DEVICES):
+        return _parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES)
+    if backend_name == "cuda":
+        return torch.cuda.device_count()
+    if os.environ.get(XLA_CPU_NUM_DEVICES):
+        return _parse_count(os.environ[XLA_CPU_NUM_DEVICES], XLA_CPU_NUM_DEVICES)
+    return 1
+
+
+def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int | None = None) -> None:
+    """Turn SPMD mode on. Call it first, before building models or tensors.
+
+    Args:
+        auto: torch_xla's auto-sharding switch; not supported (raises if True).
+        backend: ``"cuda"`` or ``"cpu"``; default: ``$TORCHSPMD_BACKEND``, else cuda when
+            available, else cpu.
+        num_devices: local devices (processes) to use when the script was started
+            as plain ``python script.py``; default ``$TORCHSPMD_NUM_DEVICES``, else every
+            CUDA device, else ``$CPU_NUM_DEVICES`` on CPU, else 1.
+
+    With more than one device and no launcher, this call re-launches the script once
+    per device and never returns in the parent: it exits with the children's status.
+    """
+    if auto:
+        raise SpmdError(
+            "use_spmd(auto=True): auto-sharding is not supported by torchspmd; "
+            "annotate shardings with mark_sharding / FSDPv2 instead"
+        )
+    if _STATE.spmd:
+        return
+    name = _choose_backend(backend)
+    if not _launched() and not dist.is_initialized():
+        n = _configured_local_devices(name, num_devices)
+        if n > 1:
+            from torchspmd._launch import relaunch_current_script
+
+            raise SystemExit(relaunch_current_script(n))
+    _init_process_group(name)
+    _STATE.backend = name
+    if name == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        _STATE.device = torch.device("cuda", local)
+    else:
+        _STATE.device = torch.device("cpu")
+    from torchspmd import _global_view
+
+    _global_view.install()
+    _STATE.spmd = True
+    if dist.get_rank() != 0 and not os.environ.get(ENV_ALL_RANKS_OUTPUT):
+        # The global view: the program prints once, as one process would.
+        sys.stdout = open(os.devnull, "w")
+        warnings.simplefilter("ignore")
+
+
+def _init_process_group(name: str) -> None:
+    if dist.is_initialized():
+        return
+    pg_backend = "cpu:gloo,cuda:nccl" if name == "cuda" else "gloo"
+    if _launched():
+        dist.init_process_group(pg_backend)
+    else:
+        dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1)
+    _STATE.owns_process_group = True
+    atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    if _STATE.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.owns_process_group = False
+
+
+def _require_spmd(api: str) -> None:
+    if not _STATE.spmd:
+        raise SpmdError(
+            f"{api} needs SPMD mode: call torchspmd.use_spmd() at the start of the program, "
+            f"before any sharded computation"
+        )
+
+
+def is_spmd() -> bool:
+    """Whether ``use_spmd()`` has been called in this process."""
+    return _STATE.spmd
+
+
+def backend() -> str:
+    """The engine chosen by ``use_spmd()``: ``"cuda"`` (NCCL) or ``"cpu"`` (gloo)."""
+    _require_spmd("torchspmd.backend()")
+    assert _STATE.backend is not None
+    return _STATE.backend
+
+
+def device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` or ``cpu``. Put models and data here."""
+    _require_spmd("torchspmd.device()")
+    assert _STATE.device is not None
+    return _STATE.device
+
+
+def device_type() -> str:
+    """``"cuda"`` or ``"cpu"``."""
+    return device().type
+
+
+def global_runtime_device_count() -> int:
+    """Devices in the whole job (one process per device)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if _launched():
+        return int(os.environ["WORLD_SIZE"])
+    return _configured_local_devices(_choose_backend(None))
+
+
+global_device_count = global_runtime_device_count
+
+
+def local_device_count() -> int:
+    """Devices on this host."""
+    if _launched():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return _configured_local_devices(_choose_backend(None))
+
+
+addressable_runtime_device_count = local_device_count
+addressable_device_count = local_device_count
+
+
+def global_ordinal() -> int:
+    """This process's (device's) index in the job: its rank."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_ordinal() -> int:
+    """This process's device index on its host."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def process_index() -> int:
+    """Index of this process; equal to ``global_ordinal()`` (one process per device)."""
+    return global_ordinal()
+
+
+def process_count() -> int:
+    """Number of processes in the job; equal to ``global_runtime_device_count()``."""
+    return global_runtime_device_count()
+
+
+def world_size() -> int:
+    return global_runtime_device_count()
+
+
+@contextlib.contextmanager
+def step() -> Iterator[None]:
+    """Mark one training step.
+
+    Inside, the step is annotated for the PyTorch profiler; on leaving it normally the
+    step counter (``current_step()``) advances. Work is issued eagerly by the native
+    engine, so there is no graph to flush: results are ready when read.
+    """
+    _require_spmd("torchspmd.step()")
+    with torch.profiler.record_function(f"torchspmd.step#{_STATE.step}"):
+        yield
+    _STATE.step += 1
+
+
+def current_step() -> int:
+    """Number of ``step()`` blocks completed in this process."""
+    return _STATE.step

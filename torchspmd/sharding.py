@@ -1,0 +1,268 @@
+"""Partition specs, ``mark_sharding``, ``ShardingSpec`` and sharding visualisation.
+
+A partition spec has one entry per tensor dim:
+
+* an axis name (``'data'``) or an axis index (``0``): that dim is split over the axis;
+* ``None``: that dim is not split;
+* a tuple of axes (``('data', 'fsdp')``): that dim is split over several axes, the
+  first one outermost (axes must appear in the mesh's order).
+
+Mesh axes not named in the spec replicate the tensor. A dim whose size does not
+divide evenly is split like ``torch.chunk``: every device but the last ones gets
+``ceil(size / devices)`` rows, the last ones fewer (possibly none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Tuple, Union
+
+import torch
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from torchspmd import runtime
+from torchspmd._errors import SpmdError
+from torchspmd.mesh import Mesh
+
+__all__ = [
+    "mark_sharding",
+    "clear_sharding",
+    "get_sharding",
+    "ShardingSpec",
+    "visualize_sharding",
+    "visualize_tensor_sharding",
+]
+
+PartitionSpec = Tuple[Union[str, int, None, Tuple[Union[str, int], ...]], ...]
+
+
+def _axis_index(mesh: Mesh, entry: Any, where: str) -> int:
+    if type(entry) is int:
+        if not 0 <= entry < mesh.ndim:
+            raise SpmdError(
+                f"{where}: mesh axis index {entry} is out of range for {mesh!r}, which has "
+                f"{mesh.ndim} axes (0..{mesh.ndim - 1})"
+            )
+        return entry
+    if type(entry) is str:
+        idx = mesh.get_axis_name_idx(entry)
+        if idx is None:
+            known = mesh.axis_names if mesh.axis_names is not None else "none (the mesh is unnamed)"
+            raise SpmdError(f"{where}: axis name {entry!r} is not defined in the mesh; its axes are {known}")
+        return idx
+    raise SpmdError(
+        f"{where}: spec type {type(entry).__name__} ({entry!r}) is not supported; use an axis name, "
+        f"an axis index, None, or a tuple of axes"
+    )
+
+
+def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = None, api: str = "partition_spec"):
+    """Check ``partition_spec`` against ``mesh`` (and a tensor of ``ndim`` dims) and return,
+    per tensor dim, the tuple of mesh axis indices that split it."""
+    if not isinstance(mesh, Mesh):
+        raise SpmdError(f"{api}: mesh must be a torchspmd Mesh, got {type(mesh).__name__}")
+    if not isinstance(partition_spec, (tuple, list)):
+        raise SpmdError(
+            f"{api}: partition_spec must be a tuple with one entry per tensor dim, got {partition_spec!r}"
+        )
+    spec = tuple(partition_spec)
+    if ndim is not None and len(spec) != ndim:
+        raise SpmdError(
+            f"{api}: Partition spec length ({len(spec)}) should be equal to the input rank ({ndim}); "
+            f"spec {spec} needs one entry per tensor dim"
+        )
+    resolved: list[tuple[int, ...]] = []
+    used: dict[int, int] = {}
+    for dim, entry in enumerate(spec):
+        where = f"{api}: partition_spec[{dim}]"
+        if entry is None:
+            axes: tuple[int, ...] = ()
+        elif type(entry) in (tuple, list):
+            if any(type(x) in (tuple, list) for x in entry):
+                raise SpmdError(f"{where} = {entry!r}: partition spec cannot contain nested tuples")
+            axes = tuple(_axis_index(mesh, x, where) for x in entry)
+            if list(axes) != sorted(axes):
+                raise SpmdError(
+                    f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order "
+                    f"{tuple(mesh.shape().keys())}; reorder the tuple (or the mesh axes)"
+                )
+        else:
+            axes = (_axis_index(mesh, entry, where),)
+        for a in axes:
+            if a in used:
+                raise SpmdError(
+                    f"{api}: mesh axis {mesh.axis_label(a)!r} appears in partition_spec[{used[a]}] and "
+                    f"partition_spec[{dim}]; each mesh axis can shard at most one tensor dim, once"
+                )
+            used[a] = dim
+        resolved.append(axes)
+    return tuple(resolved)
+
+
+def spec_to_placements(mesh: Mesh, resolved) -> list[Placement]:
+    """DTensor placements (one per mesh axis) for a resolved partition spec."""
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for dim, axes in enumerate(resolved):
+        for a in axes:
+            placements[a] = Shard(dim)
+    return placements
+
+
+def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
+    size = -(-length // parts) if length else 0
+    start = min(index * size, length)
+    return start, max(0, min(size, length - start))
+
+
+def block_of(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coord: Sequence[int]):
+    """The ``(start, length)`` per tensor dim held by the device at mesh ``coord``
+    (DTensor's rule: mesh axes split a dim in order, each like ``torch.chunk``)."""
+    block = [(0, int(s)) for s in shape]
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            start, length = block[p.dim]
+            sub_start, sub_len = _chunk(length, mesh_shape[axis], coord[axis])
+            block[p.dim] = (start + sub_start, sub_len)
+    return block
+
+
+def _coord_of(mesh: Mesh, rank: int) -> tuple[int, ...]:
+    import numpy as np
+
+    where = np.argwhere(mesh.get_logical_mesh() == rank)
+    return tuple(int(i) for i in where[0])
+
+
+def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> DTensor:
+    """Shard ``t`` over ``mesh`` as ``partition_spec`` says and return it as a DTensor of the
+    same global shape.
+
+    ``t`` holds the global value (the same on every process, as in one program; rank 0's
+    copy is the one distributed). A DTensor is re-laid out. A tensor inside autograd
+    (an activation) stays differentiable. An ``nn.Parameter`` comes back as an
+    ``nn.Parameter``: assign it back to its module (``m.weight = mark_sharding(m.weight,
+    ...)``) before building the optimizer.
+    """
+    runtime._require_spmd("mark_sharding")
+    if not isinstance(t, torch.Tensor):
+        raise SpmdError(f"mark_sharding: t must be a torch.Tensor, got {type(t).__name__}")
+    resolved = resolve_partition_spec(mesh, partition_spec, t.dim(), "mark_sharding")
+    placements = spec_to_placements(mesh, resolved)
+    dmesh = mesh.device_mesh
+    if isinstance(t, DTensor):
+        if t.device_mesh != dmesh:
+            raise SpmdError(
+                "mark_sharding: the tensor is already sharded over another mesh; call clear_sharding(t) first"
+            )
+        out = t.redistribute(dmesh, placements)
+    elif t.requires_grad and not t.is_leaf:
+        out = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False).redistribute(
+            dmesh, placements
+        )
+    else:
+        out = distribute_tensor(t.detach(), dmesh, placements)
+        if t.requires_grad:
+            out.requires_grad_(True)
+    if isinstance(t, torch.nn.Parameter):
+        param = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        t._torchspmd_sharded = param  # lets FSDPv2 find the user's annotation
+        return param
+    return out
+
+
+def clear_sharding(t: torch.Tensor) -> torch.Tensor:
+    """Drop the sharding: the whole value as a plain tensor on every process."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+def get_sharding(t: torch.Tensor) -> PartitionSpec | None:
+    """The partition spec of a DTensor (axis names where the mesh has them), or None for a
+    tensor that is not sharded. Pending reductions (``Partial``) are not shardings and
+    are not shown."""
+    if not isinstance(t, DTensor):
+        return None
+    names = t.device_mesh.mesh_dim_names
+    per_dim: list[list] = [[] for _ in range(t.ndim)]
+    for axis, p in enumerate(t.placements):
+        if p.is_shard():
+            per_dim[p.dim].append(names[axis] if names else axis)
+    return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in per_dim)
+
+
+@dataclass
+class ShardingSpec:
+    """A reusable sharding: ``mesh`` and ``partition_spec``, checked at construction.
+
+    ``minibatch=True`` (torch_xla's multi-host input mode) means each process's loader
+    yields its own part of the global batch instead of the whole global batch.
+    """
+
+    mesh: Mesh
+    partition_spec: PartitionSpec
+    minibatch: bool = False
+    _resolved: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.partition_spec = tuple(self.partition_spec) if isinstance(self.partition_spec, list) else self.partition_spec
+        self._resolved = resolve_partition_spec(self.mesh, self.partition_spec, None, "ShardingSpec")
+
+    @property
+    def placements(self) -> list[Placement]:
+        return spec_to_placements(self.mesh, self._resolved)
+
+    def can_apply(self, t: torch.Tensor) -> bool:
+        return len(t.shape) == len(self.partition_spec)
+
+    def apply(self, t: torch.Tensor) -> DTensor:
+        return mark_sharding(t, self.mesh, self.partition_spec)
+
+
+def visualize_sharding(t: DTensor, use_color: bool = True):
+    """Print which device holds which block of a 1-D or 2-D tensor; returns the rich table."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    if not isinstance(t, DTensor):
+        raise SpmdError("visualize_sharding: t is not sharded (not a DTensor); call mark_sharding first")
+    if t.ndim not in (1, 2):
+        raise SpmdError(f"visualize_sharding: only 1-D and 2-D tensors can be shown, got {t.ndim}-D")
+    dmesh = t.device_mesh
+    mesh_shape = tuple(dmesh.shape)
+    ranks = dmesh.mesh.flatten().tolist()
+    shape = tuple(t.shape) if t.ndim == 2 else (1, t.shape[0])
+    placements = [Shard(p.dim + 1) if (t.ndim == 1 and p.is_shard()) else p for p in t.placements]
+    cells: dict[tuple, list[int]] = {}
+    for flat, rank in enumerate(ranks):
+        coord = []
+        rest = flat
+        for size in reversed(mesh_shape):
+            coord.append(rest % size)
+            rest //= size
+        block = block_of(shape, mesh_shape, placements, tuple(reversed(coord)))
+        if any(length == 0 for _, length in block):
+            continue
+        cells.setdefault(tuple(block), []).append(rank)
+    rows = sorted({b[0] for b in cells})
+    cols = sorted({b[1] for b in cells})
+    table = Table(show_header=False, show_lines=True, box=box.SQUARE, padding=(0, 1))
+    palette = ["red", "green", "blue", "magenta", "cyan", "yellow", "bright_red", "bright_green"]
+    kind = dmesh.device_type.upper()
+    for c in cols:
+        table.add_column(justify="center", ratio=max(1, c[1]))
+    for r in rows:
+        row = []
+        for c in cols:
+            devs = cells.get((r, c), [])
+            label = f"{kind} {','.join(map(str, sorted(devs)))}" if devs else ""
+            style = palette[(rows.index(r) * len(cols) + cols.index(c)) % len(palette)] if use_color else None
+            row.append(Text(label, style=f"on {style}" if style else ""))
+        table.add_row(*row)
+    Console().print(table)
+    return table
+
+
+visualize_tensor_sharding = visualize_sharding
