@@ -34,6 +34,7 @@ from torchspmd.sharding import (
     visualize_tensor_sharding,
 )
 from torchspmd.data import MpDeviceLoader
+from torchspmd.replicate import replicate
 
 __version__ = "0.1.0"
 
@@ -68,4 +69,5 @@ __all__ = [
     "visualize_sharding",
     "visualize_tensor_sharding",
     "MpDeviceLoader",
+    "replicate",
 ]

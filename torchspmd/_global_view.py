@@ -73,10 +73,35 @@ class _ReplicateUnannotated(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         like = _first_dtensor(args, kwargs)
-        if like is not None and func not in _NO_LIFT:
+        if like is None:
+            return func(*args, **kwargs)
+        if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
+        if func in _RESHAPES and isinstance(args[0], DTensor):
+            return _reshape(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _reshape(func, args, kwargs):
+    """Flattening an unevenly sharded dim with its neighbours (``logits.view(-1, V)`` on a
+    batch not divisible by the devices) has no torch.chunk layout DTensor can express:
+    gather the dim, reshape, and split the result's first dim again."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        if "uneven" not in str(e):
+            raise
+    x: DTensor = args[0]
+    mesh = x.device_mesh
+    gathered = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
+    out = func(gathered, *args[1:], **kwargs)
+    if out.ndim == 0:
+        return out
+    return out.redistribute(mesh, [Shard(0) if p.is_shard() else q for p, q in zip(x.placements, out.placements)])
+
+
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
 
 
 # Functions that legitimately take a DTensor beside plain tensors.
@@ -172,7 +197,7 @@ def _pointwise_loss_forward(n_inputs: int) -> Callable:
         values.update(kwargs)
         x = _settle(values["self"])
         reduction = values.get("reduction", _MEAN)
-        tensors = {name: _local(_align(values[name], x)) for name in schema_names[1:n_inputs]}
+        tensors = {name: _local(_align(values.get(name), x)) for name in schema_names[1:n_inputs]}
         call = {n: (tensors[n] if n in tensors else _local(values[n])) for n in schema_names if n in values}
         call["self"] = x.to_local()
         if reduction == _NONE:
@@ -197,11 +222,11 @@ def _pointwise_loss_backward(n_inputs: int) -> Callable:
         values = dict(zip(schema_names, args))
         values.update(kwargs)
         x = _settle(values["self"])
-        reduction = values["reduction"]
+        reduction = values.get("reduction", _MEAN)
         call = {n: _local(values[n]) for n in schema_names if n in values}
         call["self"] = x.to_local()
         for name in schema_names[2 : n_inputs + 1]:
-            call[name] = _local(_align(values[name], x))
+            call[name] = _local(_align(values.get(name), x))
         grad = values["grad_output"]
         if reduction == _NONE:
             call["grad_output"] = _local(_align(grad, x))

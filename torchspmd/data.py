@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import queue
 import threading
 from typing import Any, Iterator
@@ -148,28 +149,15 @@ class _SliceBatches:
         return len(self.inner)
 
     def __iter__(self):
-        it = iter(self.inner)
-        # Draw the first batch now, in the caller's thread, so the sampler's random seed is
-        # taken from the main thread's generator on every process alike.
-        first = next(it, None)
-        self.first = list(first) if first is not None else []
-        return self._gen(first, it)
-
-    def _gen(self, first, it):
-        if first is None:
-            return
-        for indices in _chain(first, it):
+        for indices in self.inner:
             indices = list(indices)
             n = len(indices)
+            if self.first is None:
+                self.first = indices
             self.layout.check_rows(n, f"a batch of {n} samples")
             start, length = self.layout.rows_of_this_rank(n)
             self.global_sizes.append(n)
             yield indices[start : start + length]
-
-
-def _chain(first, it):
-    yield first
-    yield from it
 
 
 def _can_read_own_rows(loader: Any, layout: _Layout, batchdim: int) -> bool:
@@ -263,11 +251,20 @@ class _Iterator:
         if owner.per_process_reading:
             self.slicer = _SliceBatches(owner._loader.batch_sampler, self.layout)
             source = iter(_local_loader(owner._loader, self.slicer))
-            self._check_same_batches(self.slicer.first or [])
         else:
             self.slicer = None
             source = iter(owner._loader)
-        self.thread = threading.Thread(target=self._work, args=(source,), daemon=True, name="torchspmd-loader")
+        # The first batch is read here, in the caller's thread: the sampler draws its seed
+        # from the main thread's generator, in the same order as the plain loader would.
+        try:
+            first = [next(source)]
+        except StopIteration:
+            first = []
+        except Exception as e:  # delivered at the first next()
+            first = [_Error(e)]
+        if self.slicer is not None:
+            self._check_same_batches(self.slicer.first or [])
+        self.thread = threading.Thread(target=self._work, args=(first, source), daemon=True, name="torchspmd-loader")
         self.thread.start()
 
     def _check_same_batches(self, indices: list) -> None:
@@ -311,9 +308,11 @@ class _Iterator:
                 continue
         return False
 
-    def _work(self, source) -> None:
+    def _work(self, first: list, source) -> None:
         try:
-            for n, batch in enumerate(source):
+            if first and isinstance(first[0], _Error):
+                raise first[0].exc
+            for n, batch in enumerate(itertools.chain(first, source) if first else ()):
                 size = self._batch_rows(batch)
                 if self.owner._fixed:
                     if self.first_size is None:

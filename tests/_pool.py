@@ -1,0 +1,112 @@
+"""Multi-rank test harness: a pool of real gloo processes per world size.
+
+Each worker process joins a process group through the same environment torchrun
+provides and calls ``torchspmd.use_spmd()`` once; tests then send it module-level
+functions to run on every rank at once and get back each rank's result. Starting the
+processes once per session keeps the suite fast; a worker that hangs or dies fails
+its test and the pool is started again for the next one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        TORCHSPMD_ALL_RANKS_OUTPUT="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    import torchspmd as ts
+
+    ts.use_spmd(backend="cpu")
+    outbox.put((rank, True, "ready"))
+    while True:
+        try:
+            msg = inbox.get(timeout=2)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session is gone
+                break
+            continue
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # reported to the test
+            outbox.put((rank, False, traceback.format_exc()))
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+class Pool:
+    def __init__(self, world: int, timeout: float = 180.0):
+        self.world = world
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.outbox = ctx.Queue()
+        self.procs = [
+            # not daemonic: tests start DataLoader worker processes inside
+            ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, os.getpid()))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("start-up")
+
+    def _collect(self, what: str) -> list:
+        results: dict[int, object] = {}
+        errors: list[str] = []
+        while len(results) + len(errors) < self.world:
+            try:
+                rank, ok, value = self.outbox.get(timeout=self.timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                self.close()
+                raise WorkerFailed(f"{what}: no answer from every rank within {self.timeout}s (dead ranks: {dead})")
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise WorkerFailed(f"{what} failed:\n" + "\n".join(errors))
+        return [results[r] for r in range(self.world)]
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank."""
+        for q in self.inboxes:
+            q.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", str(fn)))
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()

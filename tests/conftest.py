@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _pool import Pool  # noqa: E402
+
+_POOLS: dict[int, Pool] = {}
+
+
+@pytest.fixture(scope="session")
+def dist():
+    """``dist(world).run(fn, *args)`` runs ``fn`` on every rank of a gloo group of size
+    ``world`` (processes started once per session) and returns each rank's result."""
+
+    def get(world: int) -> Pool:
+        pool = _POOLS.get(world)
+        if pool is None or not pool.alive:
+            pool = _POOLS[world] = Pool(world)
+        return pool
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()

@@ -1,0 +1,195 @@
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import torchspmd as ts
+from torchspmd.mesh import Mesh
+
+
+class Counting(Dataset):
+    """Map-style dataset that records every index it hands out."""
+
+    def __init__(self, n=20, dict_items=False):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 3, generator=g)
+        self.y = torch.arange(n)
+        self.read: list[int] = []
+        self.dict_items = dict_items
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        if self.dict_items:
+            return {"x": self.x[i], "y": self.y[i]}
+        return self.x[i], self.y[i]
+
+
+def _mesh():
+    w = torch.distributed.get_world_size()
+    return Mesh(np.arange(w), (w,), ("data",))
+
+
+def _read_own_rows(batch_size, shuffle, n=20):
+    torch.manual_seed(0)
+    ds = Counting(n)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=shuffle)
+    mesh = _mesh()
+    dl = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    out = []
+    for x, y in dl:
+        out.append((x.full_tensor(), y.full_tensor(), tuple(x.shape), x.to_local().shape[0], ts.get_sharding(y)))
+    return ds.read, out, dl.per_process_reading
+
+
+@pytest.mark.parametrize("world,batch,n", [(2, 6, 20), (2, 7, 20), (4, 8, 20), (4, 7, 21)])
+def test_each_rank_reads_only_its_rows(dist, world, batch, n):
+    results = dist(world).run(_read_own_rows, batch, True, n)
+    reads = [set(r[0]) for r in results]
+    assert all(r[2] for r in results)  # per-process reading was used
+    for i in range(world):
+        for j in range(i + 1, world):
+            assert not reads[i] & reads[j], "two ranks read the same sample"
+    assert set().union(*reads) == set(range(n))
+    assert sum(len(r[0]) for r in results) == n  # nothing read twice
+    # values and order equal the plain loader's global batches
+    torch.manual_seed(0)
+    ds = Counting(n)
+    ref = list(DataLoader(ds, batch_size=batch, shuffle=True))
+    for _, out, _ in results:
+        assert len(out) == len(ref)
+        for (x, y, shape, _, yspec), (rx, ry) in zip(out, ref):
+            torch.testing.assert_close(x, rx, rtol=0, atol=0)
+            torch.testing.assert_close(y, ry, rtol=0, atol=0)
+            assert shape == tuple(rx.shape)
+            assert yspec == ("data",)  # 1-D labels beside a 2-D spec: split on the batch dim
+
+
+def test_odd_last_batch(dist):
+    # 20 samples, batch 6: the last batch has 2 rows, one per rank
+    results = dist(2).run(_read_own_rows, 6, False)
+    for _, out, _ in results:
+        assert [o[2][0] for o in out] == [6, 6, 6, 2]
+    assert [o[3] for o in results[0][1]] == [3, 3, 3, 1]
+
+
+def _dict_batches(spec_keys, dict_items=True):
+    torch.manual_seed(0)
+    ds = Counting(8, dict_items=dict_items)
+    loader = DataLoader(ds, batch_size=4)
+    mesh = _mesh()
+    specs = {k: ts.ShardingSpec(mesh, ("data", None) if k == "x" else ("data",)) for k in spec_keys}
+    try:
+        batch = next(iter(ts.MpDeviceLoader(loader, ts.device(), input_sharding=specs)))
+    except (KeyError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return {k: (v.full_tensor(), ts.get_sharding(v)) for k, v in batch.items()}
+
+
+def test_dict_specs(dist):
+    res = dist(2).run(_dict_batches, ("x", "y"))[0]
+    ds = Counting(8, dict_items=True)
+    torch.testing.assert_close(res["x"][0], ds.x[:4])
+    assert res["x"][1] == ("data", None) and res["y"][1] == ("data",)
+
+
+def test_dict_spec_missing_key_is_keyerror(dist):
+    kind, msg = dist(2).run(_dict_batches, ("x",))[0]
+    assert kind == "KeyError" and "'y'" in msg
+
+
+def test_dict_spec_with_non_dict_batch_is_valueerror(dist):
+    kind, msg = dist(2).run(_dict_batches, ("x", "y"), False)[0]
+    assert kind == "ValueError" and "input_sharding is a dict" in msg
+
+
+def _iterable_and_replicated():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            for i in range(3):
+                yield torch.arange(10.0).reshape(5, 2) + i
+
+    mesh = _mesh()
+    sharded = ts.MpDeviceLoader(DataLoader(Stream(), batch_size=None), ts.device(),
+                                input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    a = [(b.to_local(), b.full_tensor()) for b in sharded]
+    plain = ts.MpDeviceLoader([torch.ones(4, 2)], ts.device())
+    b = next(iter(plain))
+    return a, sharded.per_process_reading, type(b).__name__
+
+
+def test_iterable_loader_keeps_each_rank_block(dist):
+    results = dist(2).run(_iterable_and_replicated)
+    for rank, (batches, per_process, replicated_type) in enumerate(results):
+        assert not per_process
+        for i, (local, full) in enumerate(batches):
+            ref = torch.arange(10.0).reshape(5, 2) + i
+            torch.testing.assert_close(full, ref)
+            torch.testing.assert_close(local, torch.chunk(ref, 2)[rank])
+        assert replicated_type == "Tensor"  # no input_sharding: plain batches on the device
+
+
+def _unsplittable(batch_size):
+    torch.manual_seed(0)
+    loader = DataLoader(Counting(20), batch_size=batch_size)
+    dl = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(_mesh(), ("data", None)))
+    try:
+        for _ in dl:
+            pass
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_batch_that_cannot_be_split_is_a_clear_error(dist):
+    # 5 rows over 4 devices split like torch.chunk: 2, 2, 1 and nothing for the last
+    msg = dist(4).run(_unsplittable, 5)[0]
+    assert "5 rows on dim 0" in msg and "4 devices" in msg and "drop_last=True" in msg
+
+
+def _divergent_seeds():
+    torch.manual_seed(torch.distributed.get_rank())
+    loader = DataLoader(Counting(20), batch_size=4, shuffle=True)
+    try:
+        iter(ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(_mesh(), ("data", None))))
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_processes_must_draw_the_same_batches(dist):
+    msgs = dist(2).run(_divergent_seeds)
+    assert all(m and "torch.manual_seed" in m for m in msgs)
+
+
+def _minibatch():
+    rank = torch.distributed.get_rank()
+    parts = [torch.full((2, 3), float(rank * 10 + i)) for i in range(2)]
+    dl = ts.MpDeviceLoader(parts, ts.device(), input_sharding=ts.ShardingSpec(_mesh(), ("data", None), minibatch=True))
+    return [b.full_tensor() for b in dl]
+
+
+def test_minibatch_mode_assembles_global_batches(dist):
+    res = dist(2).run(_minibatch)[0]
+    torch.testing.assert_close(res[0], torch.cat([torch.full((2, 3), 0.0), torch.full((2, 3), 10.0)]))
+    torch.testing.assert_close(res[1], torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 11.0)]))
+
+
+def _prefetch_workers():
+    torch.manual_seed(0)
+    ds = Counting(20)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2)
+    dl = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(_mesh(), ("data", None)),
+                           device_prefetch_size=2)
+    return [x.full_tensor() for x, _ in dl]
+
+
+def test_prefetch_and_workers_keep_order(dist):
+    got = dist(2).run(_prefetch_workers)[0]
+    torch.manual_seed(0)
+    ref = [x for x, _ in DataLoader(Counting(20), batch_size=4, shuffle=True)]
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

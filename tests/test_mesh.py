@@ -1,0 +1,113 @@
+import numpy as np
+import pytest
+
+import torchspmd as ts
+from torchspmd.mesh import Mesh
+
+
+# --- validation: one rule per test, error type and culprit in the message ----------
+
+def test_axis_names_length_must_match_shape():
+    with pytest.raises(ts.SpmdError, match=r"axis_names=\('a',\).*one name per axis"):
+        Mesh(np.arange(4), (2, 2), ("a",))
+
+
+def test_axis_names_unique():
+    with pytest.raises(ts.SpmdError, match="'x' is repeated"):
+        Mesh(np.arange(4), (2, 2), ("x", "x"))
+
+
+def test_shape_product_must_equal_device_count():
+    with pytest.raises(ts.SpmdError, match=r"3 device_ids do not fill mesh_shape \(2, 2\)"):
+        Mesh(np.arange(3), (2, 2))
+
+
+def test_device_ids_unique():
+    with pytest.raises(ts.SpmdError, match="device id 1 appears more than once"):
+        Mesh([0, 1, 1, 2], (4,))
+
+
+def test_device_ids_in_range():
+    with pytest.raises(ts.SpmdError, match="device id 7 is out of range"):
+        Mesh([0, 1, 2, 7], (2, 2))
+
+
+def test_errors_are_torch_xla_compatible():
+    # torch_xla reports these with assert; code catching AssertionError keeps working.
+    with pytest.raises(AssertionError):
+        Mesh(np.arange(3), (2, 2))
+    with pytest.raises(ValueError):
+        Mesh(np.arange(3), (2, 2))
+
+
+def test_accessors():
+    mesh = Mesh(np.arange(8), (4, 2), ("data", "model"))
+    assert mesh.size() == 8
+    assert list(mesh.shape().items()) == [("data", 4), ("model", 2)]
+    assert mesh.get_logical_mesh().tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.get_axis_name_idx("model") == 1
+    assert mesh.get_axis_name_idx("nope") is None
+    unnamed = Mesh(np.array([3, 2, 1, 0]), (2, 2))
+    assert list(unnamed.shape().items()) == [(0, 2), (1, 2)]
+    assert unnamed.get_logical_mesh().tolist() == [[3, 2], [1, 0]]
+
+
+def test_api_needs_use_spmd_first():
+    mesh = Mesh(np.arange(1), (1,), ("data",))
+    with pytest.raises(ts.SpmdError, match=r"call torchspmd.use_spmd\(\)"):
+        mesh.device_mesh
+    import torch
+
+    with pytest.raises(ts.SpmdError, match=r"mark_sharding needs SPMD mode"):
+        ts.mark_sharding(torch.zeros(2), mesh, ("data",))
+
+
+# --- multi-rank ----------------------------------------------------------------
+
+def _mesh_over_wrong_count():
+    mesh = Mesh(np.arange(2), (2,), ("data",))
+    try:
+        mesh.device_mesh
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_mesh_size_must_match_world(dist):
+    msgs = dist(4).run(_mesh_over_wrong_count)
+    assert all("not mappable over 4 devices" in m for m in msgs)
+
+
+def _hybrid(local_world, ici, dcn):
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    try:
+        m = ts.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=("a", "b"))
+        return m.get_logical_mesh().tolist()
+    except ts.SpmdError as e:
+        return str(e)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
+
+
+def test_hybrid_mesh_maps_dcn_axes_across_hosts(dist):
+    pool = dist(4)
+    # two hosts of two devices: hosts tile the first axis...
+    assert pool.run(_hybrid, 2, (1, 2), (2, 1))[0] == [[0, 1], [2, 3]]
+    # ...or the second one
+    assert pool.run(_hybrid, 2, (2, 1), (1, 2))[0] == [[0, 2], [1, 3]]
+    # one host: ici alone
+    assert pool.run(_hybrid, 4, (2, 2), None)[0] == [[0, 1], [2, 3]]
+    msg = pool.run(_hybrid, 4, (1, 2), (2, 1))[0]
+    assert "dcn_mesh_shape=(2, 1)" in msg and "1 host(s)" in msg
+
+
+def _one_d():
+    m = ts.get_1d_mesh("data")
+    ts.set_global_mesh(m)
+    return m.mesh_shape, m.axis_names, ts.get_global_mesh() is m
+
+
+def test_get_1d_mesh_and_global_mesh(dist):
+    assert dist(2).run(_one_d) == [((2,), ("data",), True)] * 2

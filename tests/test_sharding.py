@@ -1,0 +1,186 @@
+import numpy as np
+import pytest
+import torch
+
+import torchspmd as ts
+from torchspmd.mesh import Mesh
+from torchspmd.sharding import resolve_partition_spec
+
+MESH_2x2 = Mesh(np.arange(4), (2, 2), ("data", "model"))
+
+
+# --- partition-spec validation: one rule per test -------------------------------
+
+def test_spec_length_must_equal_rank():
+    with pytest.raises(ts.SpmdError, match=r"Partition spec length \(1\) should be equal to the input rank \(2\)"):
+        resolve_partition_spec(MESH_2x2, ("data",), 2)
+
+
+def test_unknown_axis_name():
+    with pytest.raises(ts.SpmdError, match=r"partition_spec\[1\]: axis name 'fsdp' is not defined"):
+        resolve_partition_spec(MESH_2x2, (None, "fsdp"), 2)
+
+
+def test_repeated_axis():
+    with pytest.raises(ts.SpmdError, match=r"mesh axis 'data' appears in partition_spec\[0\] and partition_spec\[1\]"):
+        resolve_partition_spec(MESH_2x2, ("data", ("data", "model")), 2)
+
+
+def test_axis_index_out_of_range():
+    with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\]: mesh axis index 2 is out of range"):
+        resolve_partition_spec(MESH_2x2, (2, None), 2)
+
+
+def test_nested_tuples_rejected():
+    with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\].*nested tuples"):
+        resolve_partition_spec(MESH_2x2, ((("data",), "model"), None), 2)
+
+
+def test_unsupported_entry_type():
+    with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\]: spec type float"):
+        resolve_partition_spec(MESH_2x2, (1.0, None), 2)
+
+
+def test_tuple_axes_follow_mesh_order():
+    with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\] = \('model', 'data'\).*mesh's order"):
+        resolve_partition_spec(MESH_2x2, (("model", "data"), None), 2)
+
+
+def test_spec_must_be_a_tuple():
+    with pytest.raises(ts.SpmdError, match="one entry per tensor dim"):
+        ts.ShardingSpec(MESH_2x2, "data")
+
+
+def test_sharding_spec_checks_at_construction():
+    with pytest.raises(ts.SpmdError, match="axis name 'x' is not defined"):
+        ts.ShardingSpec(MESH_2x2, ("x", None))
+    spec = ts.ShardingSpec(MESH_2x2, ("data", None))
+    assert spec.can_apply(torch.zeros(2, 3)) and not spec.can_apply(torch.zeros(2))
+
+
+# --- placement: the right block on the right rank --------------------------------
+
+def _expected_block(full, mesh_shape, coord, resolved):
+    """Independent reference: nested torch.chunk over the axes of each dim, in order."""
+    block = full
+    for dim, axes in enumerate(resolved):
+        for a in axes:
+            pieces = torch.chunk(block, mesh_shape[a], dim=dim)
+            if coord[a] < len(pieces):
+                block = pieces[coord[a]]
+            else:
+                block = block.narrow(dim, block.shape[dim], 0)
+    return block
+
+
+def _place(mesh_shape, axis_names, shape, spec):
+    import torch.distributed as tdist
+
+    n = int(np.prod(mesh_shape))
+    mesh = Mesh(np.arange(n), mesh_shape, axis_names)
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    dt = ts.mark_sharding(full, mesh, spec)
+    rank = tdist.get_rank()
+    coord = tuple(int(i) for i in np.argwhere(mesh.get_logical_mesh() == rank)[0])
+    return dt.to_local(), dt.full_tensor(), tuple(dt.shape), ts.get_sharding(dt), coord
+
+
+CASES = [
+    (1, (1,), ("data",), (3, 5), ("data", None), ("data", None)),
+    (2, (2,), ("x",), (5, 3), ("x", None), ("x", None)),
+    (2, (2,), ("x",), (4, 3), (None, 0), (None, "x")),
+    (2, (2,), ("x",), (4, 3), (None, None), (None, None)),
+    (2, (2,), None, (5,), (0,), (0,)),
+    (4, (4,), ("x",), (6,), ("x",), ("x",)),
+    (4, (2, 2), ("data", "model"), (7, 5), ("data", "model"), ("data", "model")),
+    (4, (2, 2), ("data", "model"), (7, 5), (("data", "model"), None), (("data", "model"), None)),
+    (4, (2, 2), ("data", "model"), (3, 9), (None, ("data", "model")), (None, ("data", "model"))),
+    (4, (2, 2), ("data", "model"), (5, 3), ("model", None), ("model", None)),
+    (4, (2, 2), ("data", "model"), (5, 3), (1, 0), ("model", "data")),
+    (4, (2, 2), ("data", "model"), (2, 3, 5), (None, None, "data"), (None, None, "data")),
+]
+
+
+@pytest.mark.parametrize("world,mesh_shape,names,shape,spec,spec_back", CASES)
+def test_mark_sharding_places_blocks(dist, world, mesh_shape, names, shape, spec, spec_back):
+    results = dist(world).run(_place, mesh_shape, names, shape, spec)
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    mesh = Mesh(np.arange(world), mesh_shape, names)
+    resolved = resolve_partition_spec(mesh, spec, len(shape))
+    covered = torch.zeros(shape)
+    for local, gathered, gshape, got_spec, coord in results:
+        assert gshape == shape
+        torch.testing.assert_close(gathered, full, rtol=0, atol=0)
+        expected = _expected_block(full, mesh_shape, coord, resolved)
+        assert local.shape == expected.shape, (coord, local.shape, expected.shape)
+        torch.testing.assert_close(local, expected, rtol=0, atol=0)
+        assert got_spec == spec_back
+        covered.view(-1)[local.reshape(-1).long()] = 1
+    assert covered.all()  # every element is held by some device
+
+
+def _layout_changes():
+    mesh = Mesh(np.arange(2), (2,), ("x",))
+    t = torch.arange(12.0).reshape(4, 3)
+    a = ts.mark_sharding(t, mesh, ("x", None))
+    b = ts.mark_sharding(a, mesh, (None, "x"))  # re-mark: re-laid out
+    plain = ts.clear_sharding(b)
+    # a non-leaf tensor stays differentiable through mark_sharding
+    w = torch.ones(4, 3, requires_grad=True)
+    y = ts.mark_sharding(w * 3.0, mesh, ("x", None))
+    y.sum().backward()
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    q = ts.mark_sharding(p, mesh, (None, "x"))
+    return (b.to_local(), type(plain).__name__, torch.equal(plain, t), w.grad,
+            isinstance(q, torch.nn.Parameter) and isinstance(q, torch.distributed.tensor.DTensor),
+            p._torchspmd_sharded is q, ts.get_sharding(t))
+
+
+def test_remark_clear_autograd_and_parameters(dist):
+    results = dist(2).run(_layout_changes)
+    t = torch.arange(12.0).reshape(4, 3)
+    for rank, (local, plain_type, same, wgrad, is_param, recorded, plain_spec) in enumerate(results):
+        torch.testing.assert_close(local, torch.chunk(t, 2, dim=1)[rank])
+        assert plain_type == "Tensor" and same
+        torch.testing.assert_close(wgrad, torch.full((4, 3), 3.0))
+        assert is_param and recorded
+        assert plain_spec is None
+
+
+def _mark_errors():
+    mesh = Mesh(np.arange(2), (2,), ("x",))
+    out = []
+    for spec in [("x",), ("y", None)]:
+        try:
+            ts.mark_sharding(torch.zeros(2, 2), mesh, spec)
+        except ts.SpmdError as e:
+            out.append(str(e))
+    return out
+
+
+def test_mark_sharding_errors_name_the_culprit(dist):
+    msgs = dist(2).run(_mark_errors)[0]
+    assert "Partition spec length (1) should be equal to the input rank (2)" in msgs[0]
+    assert "axis name 'y' is not defined" in msgs[1]
+
+
+def _visualize(spec):
+    from rich.console import Console
+
+    mesh = Mesh(np.arange(4), (2, 2), ("data", "model"))
+    dt = ts.mark_sharding(torch.zeros(4, 6), mesh, spec)
+    table = ts.visualize_sharding(dt, use_color=False)
+    console = Console(record=True, width=60)
+    console.print(table)
+    return console.export_text()
+
+
+def test_visualize_sharding_shows_device_blocks(dist):
+    text = dist(4).run(_visualize, ("data", "model"))[0]
+    lines = [l for l in text.splitlines() if "CPU" in l]
+    assert len(lines) == 2
+    assert lines[0].index("CPU 0") < lines[0].index("CPU 1")
+    assert lines[1].index("CPU 2") < lines[1].index("CPU 3")
+    text = dist(4).run(_visualize, ("data", None))[0]
+    lines = [l for l in text.splitlines() if "CPU" in l]
+    assert "CPU 0,1" in lines[0] and "CPU 2,3" in lines[1]

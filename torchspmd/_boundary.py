@@ -1,0 +1,124 @@
+"""The boundary of a wrapped module: global DTensors outside, local tensors inside.
+
+Inputs arrive as global batches (DTensors sharded on dim 0 over the data axes, or plain
+tensors holding the whole global value); the module computes on this process's rows;
+its outputs leave as global DTensors sharded the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from torchspmd._errors import SpmdError
+from torchspmd.sharding import _chunk
+
+
+@dataclass
+class BatchLayout:
+    """How the current batch is split: over which mesh axes, how many rows in all and here."""
+
+    device_mesh: Any
+    placements: list[Placement]  # Shard(0) on the data axes, Replicate elsewhere
+    global_rows: int
+    local_rows: int
+    local_start: int
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        items = [(k, _map(v, fn)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:  # ModelOutput-like classes take keywords
+            return type(obj)(**dict(items))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:
+    _map(obj, lambda t: fn(t) or t)
+
+
+def _coord(device_mesh) -> list[int]:
+    return list(device_mesh.get_coordinate())
+
+
+def inputs_to_local(args: tuple, kwargs: dict, device_mesh, data_dims: list[int], who: str):
+    """Turn global inputs into this process's rows; return (args, kwargs, BatchLayout)."""
+    rows: list[int] = []
+
+    def seen(t: torch.Tensor):
+        if t.dim() > 0:
+            rows.append(int(t.shape[0]))
+
+    _walk((args, kwargs), seen)
+    if not rows:
+        layout = None
+    else:
+        if len(set(rows)) > 1:
+            raise SpmdError(
+                f"{who}: the batch tensors disagree on dim 0 (sizes {sorted(set(rows))}); every tensor "
+                f"input must have the global batch on dim 0"
+            )
+        n = rows[0]
+        placements: list[Placement] = [Replicate()] * device_mesh.ndim
+        for d in data_dims:
+            placements[d] = Shard(0)
+        coord = _coord(device_mesh)
+        start, length = 0, n
+        for d in data_dims:
+            s, length = _chunk(length, device_mesh.size(d), coord[d])
+            start += s
+        layout = BatchLayout(device_mesh, placements, n, length, start)
+
+    def local(t: torch.Tensor):
+        if isinstance(t, DTensor):
+            if t.device_mesh != device_mesh:
+                raise SpmdError(f"{who}: an input is sharded over another mesh than the module's")
+            if t.dim() > 0 and tuple(t.placements) != tuple(layout.placements):
+                t = t.redistribute(device_mesh, layout.placements)
+            grad_placements = [Partial() if p.is_replicate() else p for p in t.placements]
+            return t.to_local(grad_placements=grad_placements)
+        if t.dim() == 0 or layout is None:
+            return t
+        return t.narrow(0, layout.local_start, layout.local_rows)
+
+    args = _map(args, local)
+    kwargs = _map(kwargs, local)
+    return args, kwargs, layout
+
+
+def output_to_global(t: torch.Tensor, layout: BatchLayout | None, who: str) -> torch.Tensor:
+    """A local output with this process's rows on dim 0, as the global DTensor."""
+    if layout is None or t.dim() == 0 or t.shape[0] != layout.local_rows:
+        raise SpmdError(
+            f"{who}: cannot tell how the output of shape {tuple(t.shape)} is split across devices "
+            f"(expected this process's {layout.local_rows if layout else '?'} batch rows on dim 0); "
+            f"pass shard_output=fn(output, mesh) that marks its sharding"
+        )
+    gshape = (layout.global_rows, *t.shape[1:])
+    return DTensor.from_local(
+        t, layout.device_mesh, layout.placements, run_check=False,
+        shape=torch.Size(gshape), stride=_contiguous_stride(gshape),
+    )
+
+
+def outputs_to_global(output: Any, layout: BatchLayout | None, who: str) -> Any:
+    return _map(output, lambda t: t if isinstance(t, DTensor) else output_to_global(t, layout, who))
