@@ -1,0 +1,108 @@
+"""`python script.py` relaunching itself per device, `torchspmd run`, and the examples."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torchspmd as ts
+    ts.use_spmd()
+    import torch.distributed as dist
+    print(f"hello from a world of {ts.global_runtime_device_count()} rank={dist.get_rank()} args={sys.argv[1:]}")
+    print(f"process_count={ts.process_count()} local={ts.local_device_count()} backend={ts.backend()}")
+    if "--fail-on-1" in sys.argv and dist.get_rank() == 1:
+        raise RuntimeError("rank one fails on purpose")
+    """
+)
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _run(args, **env):
+    return subprocess.run(args, capture_output=True, text=True, env=_env(**env), timeout=240, cwd=ROOT)
+
+
+@pytest.fixture
+def script(tmp_path):
+    p = tmp_path / "prog.py"
+    p.write_text(SCRIPT)
+    return p
+
+
+def test_plain_python_relaunches_per_device_and_prints_once(script):
+    r = _run([sys.executable, str(script), "a", "--b"], CPU_NUM_DEVICES=2)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.startswith("hello")]
+    assert lines == ["hello from a world of 2 rank=0 args=['a', '--b']"]
+    assert "process_count=2 local=2 backend=cpu" in r.stdout
+
+
+def test_num_devices_environment_variable(script):
+    r = _run([sys.executable, str(script)], TORCHSPMD_NUM_DEVICES=3)
+    assert r.returncode == 0, r.stderr
+    assert "hello from a world of 3 rank=0" in r.stdout
+
+
+def test_single_device_runs_in_process(script):
+    r = _run([sys.executable, str(script)])
+    assert r.returncode == 0, r.stderr
+    assert "hello from a world of 1 rank=0" in r.stdout
+
+
+def test_failure_on_one_rank_fails_the_job(script):
+    r = _run([sys.executable, str(script), "--fail-on-1"], CPU_NUM_DEVICES=2)
+    assert r.returncode != 0
+    assert "rank one fails on purpose" in r.stderr
+    assert "torchspmd: rank" in r.stderr
+
+
+def test_torchspmd_run(script):
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script), "x"])
+    assert r.returncode == 0, r.stderr
+    assert [l for l in r.stdout.splitlines() if l.startswith("hello")] == ["hello from a world of 2 rank=0 args=['x']"]
+
+
+def test_torchspmd_run_passes_torchrun_options(script):
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc-per-node=2", "--max-restarts=0", str(script)])
+    assert r.returncode == 0, r.stderr
+    assert "hello from a world of 2 rank=0" in r.stdout
+
+
+def test_non_script_program_gets_a_clear_error():
+    r = _run([sys.executable, "-c", "import torchspmd as ts; ts.use_spmd()"], CPU_NUM_DEVICES=2)
+    assert r.returncode != 0
+    assert "torchspmd run --nproc 2" in r.stderr
+
+
+def test_bad_device_count_is_a_clear_error(script):
+    r = _run([sys.executable, str(script)], TORCHSPMD_NUM_DEVICES="two")
+    assert r.returncode != 0 and "TORCHSPMD_NUM_DEVICES='two' is not an integer" in r.stderr
+
+
+def test_unknown_backend_is_a_clear_error():
+    r = _run([sys.executable, "-c", "import torchspmd as ts; ts.use_spmd(backend='tpu')"])
+    assert r.returncode != 0 and "use_spmd(backend='tpu')" in r.stderr
+
+
+def test_info():
+    r = _run([sys.executable, "-m", "torchspmd.cli", "info"])
+    assert r.returncode == 0 and "backend (default) cpu" in r.stdout
+
+
+def test_example_spmd_data_parallel():
+    r = _run([sys.executable, str(ROOT / "examples" / "spmd_data_parallel.py"), "--steps", "12", "--per-device-batch", "32"],
+             CPU_NUM_DEVICES=2)
+    assert r.returncode == 0, r.stderr
+    losses = [float(l.split("Loss: ")[1]) for l in r.stdout.splitlines() if "Loss:" in l]
+    assert len(losses) == 4 and losses[-1] < losses[0]

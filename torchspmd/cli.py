@@ -1,0 +1,104 @@
+"""The ``torchspmd`` command: ``run`` and ``info``.
+
+(``train``, ``plan`` and ``export`` are not part of this version yet.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torchspmd._errors import SpmdError
+
+
+def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Take ``--nproc N`` / ``--nproc=N`` out of the options before the script."""
+    out, nproc, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-"):
+            out.extend(argv[i:])
+            break
+        if a == "--nproc":
+            if i + 1 >= len(argv):
+                raise SpmdError("torchspmd run: --nproc needs a number")
+            nproc = _count(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--nproc="):
+            nproc = _count(a.split("=", 1)[1])
+        else:
+            out.append(a)
+        i += 1
+    return nproc, out
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise SpmdError(f"torchspmd run: --nproc {text!r} is not a number") from None
+    if n < 1:
+        raise SpmdError(f"torchspmd run: --nproc {n}: need at least one process")
+    return n
+
+
+def cmd_run(argv: list[str]) -> int:
+    from torchspmd import _launch, runtime
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: torchspmd run [--nproc N] [torchrun options] script.py [args...]\n\n"
+            "Start script.py once per device (N processes on this host; default: every CUDA\n"
+            "device, else $TORCHSPMD_NUM_DEVICES / $CPU_NUM_DEVICES, else 1). Every torchrun\n"
+            "option works (--nnodes, --rdzv-endpoint, --max-restarts, ...) for multi-host runs."
+        )
+        return 0
+    nproc, rest = _pop_nproc(argv)
+    if nproc is None and not any(a.startswith("--nproc-per-node") or a.startswith("--nproc_per_node") for a in rest):
+        nproc = runtime._configured_local_devices(runtime._choose_backend(None))
+    if not any(not a.startswith("-") for a in rest):
+        raise SpmdError("torchspmd run: name the script to run, e.g. `torchspmd run --nproc 2 train.py`")
+    return _launch.launch(rest, nproc)
+
+
+def cmd_info(argv: list[str]) -> int:
+    import importlib.util
+
+    import torch
+
+    import torchspmd
+    from torchspmd import runtime
+
+    backend = runtime._choose_backend(None)
+    print(f"torchspmd {torchspmd.__version__}")
+    print(f"torch {torch.__version__}")
+    print(f"backend (default) {backend}")
+    print(f"local devices {runtime._configured_local_devices(backend)}")
+    print(f"cuda available {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
+    print(f"torch_xla installed {importlib.util.find_spec('torch_xla') is not None}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="torchspmd",
+        description="torchspmd: SPMD sharding and FSDPv2 on PyTorch's distributed engine",
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS), help="run: start a script once per device; info: versions and devices")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.parse_args(argv[:1] or ["--help"])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except SpmdError as e:
+        print(f"torchspmd: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
