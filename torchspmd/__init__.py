@@ -35,6 +35,17 @@ from torchspmd.sharding import (
 )
 from torchspmd.data import MpDeviceLoader
 from torchspmd.replicate import replicate
+from torchspmd.fsdp import (
+    FSDPv2,
+    SpmdFullyShardedDataParallel,
+    always_wrap_policy,
+    checkpoint_module,
+    clip_grad_norm_,
+    full_state_dict,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 __version__ = "0.1.0"
 
@@ -70,4 +81,13 @@ __all__ = [
     "visualize_tensor_sharding",
     "MpDeviceLoader",
     "replicate",
+    "SpmdFullyShardedDataParallel",
+    "FSDPv2",
+    "checkpoint_module",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
 ]

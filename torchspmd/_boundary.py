@@ -7,6 +7,9 @@ its outputs leave as global DTensors sharded the same way.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torchspmd._errors import SpmdError
-from torchspmd.sharding import _chunk
+from torchspmd._chunks import chunk as _chunk, contiguous_stride as _contiguous_stride
 
 
 @dataclass
@@ -28,23 +31,16 @@ class BatchLayout:
     local_start: int
 
 
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        items = [(k, _map(v, fn)) for k, v in obj.items()]
-        try:
-            return type(obj)(items)
-        except TypeError:  # ModelOutput-like classes take keywords
-            return type(obj)(**dict(items))
+        if type(obj) is dict:
+            return {k: _map(v, fn) for k, v in obj.items()}
+        new = copy.copy(obj)  # OrderedDict, transformers' ModelOutput: keep the class
+        for k, v in obj.items():
+            new[k] = _map(v, fn)
+        return new
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_map(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -122,3 +118,46 @@ def output_to_global(t: torch.Tensor, layout: BatchLayout | None, who: str) -> t
 
 def outputs_to_global(output: Any, layout: BatchLayout | None, who: str) -> Any:
     return _map(output, lambda t: t if isinstance(t, DTensor) else output_to_global(t, layout, who))
+
+
+# -- shard_output callables written for torch_xla: mark_sharding(output.logits, mesh, spec)
+# annotates in place there. Here, while such a callable runs, mark_sharding on a local
+# output records the global DTensor it stands for, and the output is rebuilt with them.
+
+_MARKING = threading.local()
+
+
+@contextlib.contextmanager
+def marking_outputs(layout: BatchLayout | None):
+    _MARKING.state = (layout, {})
+    try:
+        yield _MARKING.state[1]
+    finally:
+        _MARKING.state = None
+
+
+def mark_local_output(t: torch.Tensor, device_mesh, placements) -> DTensor | None:
+    """Inside ``marking_outputs``: this process's block ``t`` as the global DTensor."""
+    state = getattr(_MARKING, "state", None)
+    if state is None:
+        return None
+    layout, marked = state
+    gshape = list(t.shape)
+    for d in range(t.dim()):
+        axes = [i for i, p in enumerate(placements) if p.is_shard(d)]
+        if not axes:
+            continue
+        if (layout is not None and d == 0 and t.shape[0] == layout.local_rows
+                and [i for i, p in enumerate(layout.placements) if p.is_shard(0)] == axes):
+            gshape[0] = layout.global_rows
+        else:
+            for i in axes:  # other dims: even splits
+                gshape[d] *= device_mesh.size(i)
+    out = DTensor.from_local(t, device_mesh, placements, run_check=False, shape=torch.Size(gshape),
+                             stride=_contiguous_stride(gshape))
+    marked[id(t)] = out
+    return out
+
+
+def replace_marked(output: Any, marked: dict) -> Any:
+    return _map(output, lambda t: marked.get(id(t), t))

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.overrides import TorchFunctionMode
 
+from torchspmd._chunks import contiguous_stride as _contiguous_stride
+
 aten = torch.ops.aten
 
 _MEAN, _SUM, _NONE = 1, 2, 0
@@ -122,14 +124,6 @@ def install() -> None:
 # ---------------------------------------------------------------------------
 # 2. Exact reductions over sharded rows.
 # ---------------------------------------------------------------------------
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _wrap(local: torch.Tensor, mesh, placements, shape: tuple[int, ...]) -> DTensor:

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchspmd import runtime
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
-from torchspmd.sharding import ShardingSpec, _coord_of, _chunk, block_of
+from torchspmd._chunks import block_of, chunk as _chunk, contiguous_stride as _contiguous_stride
+from torchspmd.sharding import ShardingSpec, _coord_of
 
 __all__ = ["MpDeviceLoader"]
 
@@ -32,14 +33,6 @@ _END = object()
 class _Error:
     def __init__(self, exc: BaseException):
         self.exc = exc
-
-
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 class _Layout:

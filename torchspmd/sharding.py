@@ -20,7 +20,8 @@ from typing import Any, Sequence, Tuple, Union
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from torchspmd import runtime
+from torchspmd import _boundary, runtime
+from torchspmd._chunks import block_of
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
 
@@ -108,24 +109,6 @@ def spec_to_placements(mesh: Mesh, resolved) -> list[Placement]:
     return placements
 
 
-def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
-    size = -(-length // parts) if length else 0
-    start = min(index * size, length)
-    return start, max(0, min(size, length - start))
-
-
-def block_of(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coord: Sequence[int]):
-    """The ``(start, length)`` per tensor dim held by the device at mesh ``coord``
-    (DTensor's rule: mesh axes split a dim in order, each like ``torch.chunk``)."""
-    block = [(0, int(s)) for s in shape]
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            start, length = block[p.dim]
-            sub_start, sub_len = _chunk(length, mesh_shape[axis], coord[axis])
-            block[p.dim] = (start + sub_start, sub_len)
-    return block
-
-
 def _coord_of(mesh: Mesh, rank: int) -> tuple[int, ...]:
     import numpy as np
 
@@ -149,6 +132,10 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     resolved = resolve_partition_spec(mesh, partition_spec, t.dim(), "mark_sharding")
     placements = spec_to_placements(mesh, resolved)
     dmesh = mesh.device_mesh
+    if not isinstance(t, DTensor):
+        marked = _boundary.mark_local_output(t, dmesh, placements)
+        if marked is not None:  # inside a shard_output callable: t is this process's block
+            return marked
     if isinstance(t, DTensor):
         if t.device_mesh != dmesh:
             raise SpmdError(

@@ -1,0 +1,44 @@
+"""``checkpoint_module``: activation checkpointing of one module's forward."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from torchspmd._errors import SpmdError
+
+_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    if cls not in _CLASSES:
+
+        def forward(self, *args, **kwargs):
+            return torch.utils.checkpoint.checkpoint(
+                super(new_cls, self).forward, *args, use_reentrant=False, **kwargs
+            )
+
+        new_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_torchspmd_checkpointed": True})
+        _CLASSES[cls] = new_cls
+    return _CLASSES[cls]
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Recompute ``module``'s activations in backward instead of keeping them
+    (non-reentrant ``torch.utils.checkpoint``). Apply it before ``FSDPv2``:
+    ``FSDPv2(checkpoint_module(layer))``. Returns the same module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from torchspmd.fsdp.fsdpv2 import SpmdFullyShardedDataParallel
+
+    if isinstance(module, (SpmdFullyShardedDataParallel, FSDPModule)):
+        raise SpmdError(
+            "checkpoint_module: the module is already wrapped by FSDPv2; apply checkpoint_module to the "
+            "module first and wrap the result: FSDPv2(checkpoint_module(module), ...)"
+        )
+    if not isinstance(module, nn.Module):
+        raise SpmdError(f"checkpoint_module: expected an nn.Module, got {type(module).__name__}")
+    if getattr(module, "_torchspmd_checkpointed", False):
+        return module
+    module.__class__ = _checkpointed_class(type(module))
+    return module
