@@ -89,18 +89,25 @@ def _reshape(func, args, kwargs):
     """Flattening an unevenly sharded dim with its neighbours (``logits.view(-1, V)`` on a
     batch not divisible by the devices) has no torch.chunk layout DTensor can express:
     gather the dim, reshape, and split the result's first dim again."""
-    try:
-        return func(*args, **kwargs)
-    except RuntimeError as e:
-        if "uneven" not in str(e):
-            raise
     x: DTensor = args[0]
     mesh = x.device_mesh
+    if not _uneven(x):
+        return func(*args, **kwargs)
     gathered = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
     out = func(gathered, *args[1:], **kwargs)
     if out.ndim == 0:
         return out
     return out.redistribute(mesh, [Shard(0) if p.is_shard() else q for p, q in zip(x.placements, out.placements)])
+
+
+def _uneven(x: DTensor) -> bool:
+    """Whether some sharded dim does not split evenly over its mesh axes."""
+    mesh = x.device_mesh
+    ways: dict[int, int] = {}
+    for axis, p in enumerate(x.placements):
+        if p.is_shard():
+            ways[p.dim] = ways.get(p.dim, 1) * mesh.size(axis)
+    return any(x.shape[d] % k for d, k in ways.items())
 
 
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}

@@ -85,18 +85,29 @@ class _Layout:
             start += s
         return start, length
 
+    def _rows_at(self, n: int, coord: dict[int, int]) -> int:
+        length = n
+        for a in self.row_axes or ():
+            _, length = _chunk(length, self.mesh.mesh_shape[a], coord[a])
+        return length
+
     def check_rows(self, n: int, where: str) -> None:
-        k = self.row_shards
-        if k > 1 and (n == 0 or _chunk(n, k, k - 1)[1] == 0):
-            size = -(-n // k) if n else 0
-            names = tuple(self.mesh.axis_label(a) for a in self.row_axes)
-            raise SpmdError(
-                f"MpDeviceLoader: {where} has {n} rows on dim 0, which cannot be split over the "
-                f"{k} devices of mesh axes {names}: split like torch.chunk into pieces of {size}, "
-                f"the last device would get no row. Use a global batch size divisible by {k} "
-                f"(or at least {k}, with the remainder spread), or drop the odd last batch "
-                f"(DataLoader(drop_last=True) or fixed_batch_size=True)"
-            )
+        """Every device must get at least one row (the same verdict on every process)."""
+        if self.row_shards <= 1:
+            return
+        axes = list(self.row_axes)
+        sizes = [self.mesh.mesh_shape[a] for a in axes]
+        for idx in itertools.product(*(range(s) for s in sizes)):
+            if self._rows_at(n, dict(zip(axes, idx))) == 0:
+                names = tuple(self.mesh.axis_label(a) for a in axes)
+                k = self.row_shards
+                raise SpmdError(
+                    f"MpDeviceLoader: {where} has {n} rows on dim 0, which cannot be split over the "
+                    f"{k} devices of mesh axes {names}: split like torch.chunk (pieces of "
+                    f"ceil(rows/devices) per axis), the device at {names} = {idx} would get no row. "
+                    f"Use a global batch size divisible by {k}, or drop the odd last batch "
+                    f"(DataLoader(drop_last=True) or fixed_batch_size=True)"
+                )
 
     def spec_for(self, key, t: torch.Tensor) -> ShardingSpec | None:
         if isinstance(self.sharding, dict):

@@ -178,9 +178,9 @@ class HybridMesh(Mesh):
 _GLOBAL_MESH: Mesh | None = None
 
 
-def set_global_mesh(mesh: Mesh) -> None:
-    """Make ``mesh`` the default for FSDPv2 and for calls given no mesh."""
-    if not isinstance(mesh, Mesh):
+def set_global_mesh(mesh: Mesh | None) -> None:
+    """Make ``mesh`` the default for FSDPv2 and for calls given no mesh (None clears it)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
         raise SpmdError(f"set_global_mesh(mesh=...): expected a torchspmd Mesh, got {type(mesh).__name__}")
     global _GLOBAL_MESH
     _GLOBAL_MESH = mesh

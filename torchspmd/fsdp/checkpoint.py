@@ -33,7 +33,7 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     if isinstance(module, (SpmdFullyShardedDataParallel, FSDPModule)):
         raise SpmdError(
-            "checkpoint_module: the module is already wrapped by FSDPv2; apply checkpoint_module to the "
+            "checkpoint_module: the module is already wrapped by FSDPv2; apply checkpoint_module before FSDPv2, to the "
             "module first and wrap the result: FSDPv2(checkpoint_module(module), ...)"
         )
     if not isinstance(module, nn.Module):

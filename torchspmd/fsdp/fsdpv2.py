@@ -239,6 +239,8 @@ def _sum_reductions(module: nn.Module) -> None:
 
     for m in module.modules():
         if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # With a factor of 1 FSDP2 would ask for PREMUL_SUM, which gloo rejects.
             m.set_force_sum_reduction_for_comms(True)
 
 

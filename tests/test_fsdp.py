@@ -1,0 +1,260 @@
+"""FSDPv2 against one device: the seed decoder, 5 Adam steps, the same global batches."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import torchspmd as ts
+from torchspmd.models import DecoderLayer, DecoderModel
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 5
+VOCAB = 37  # not divisible by 2 or 4
+
+
+def _model(layers=2):
+    torch.manual_seed(0)
+    return DecoderModel(vocab_size=VOCAB, dim=16, num_layers=layers, num_heads=2, intermediate_size=24, max_seq_len=16)
+
+
+def _batches(batch):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (batch * STEPS, 9), generator=g)
+    x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    # ignored labels (-100) spread unevenly: most land on the first device's rows
+    for s in range(STEPS):
+        y[s * batch, :] = -100
+        y[s * batch + 1, :5] = -100
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _loss(out, y):
+    return nn.CrossEntropyLoss()(out.view(-1, out.size(-1)), y.view(-1))
+
+
+def _oracle(batch, layers=2):
+    model = _model(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in torch.utils.data.DataLoader(_batches(batch), batch_size=batch):
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _policy():
+    return functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+
+
+def _mark_logits(output, mesh):
+    ts.mark_sharding(output, mesh, ("fsdp", None, None))
+
+
+def _wrap(variant, model, mesh):
+    if variant == "auto":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy())
+    if variant == "checkpoint":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(),
+                         auto_wrapper_callable=lambda m, *a, **k: ts.FSDPv2(ts.checkpoint_module(m), *a, **k))
+    if variant == "shard_output":
+        return ts.FSDPv2(model, mesh, _mark_logits)  # positional form
+    if variant == "nested":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = ts.FSDPv2(layer, mesh)
+        return ts.FSDPv2(model, mesh)
+    if variant == "extra_data_axis":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), extra_data_axis="data")
+    if variant == "root_only":
+        return ts.FSDPv2(model, mesh=mesh)
+    raise ValueError(variant)
+
+
+def _mesh(variant):
+    n = ts.global_runtime_device_count()
+    if variant == "extra_data_axis":
+        return ts.Mesh(np.arange(n), (2, n // 2), ("data", "fsdp"))
+    return ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+
+
+def _train(variant, batch, layers=2, mixed_precision=None):
+    mesh = _mesh(variant)
+    ts.set_global_mesh(mesh)
+    model = _model(layers)
+    if mixed_precision:
+        model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), mixed_precision=mixed_precision)
+    else:
+        model = _wrap(variant, model, mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch_axes = ("data", "fsdp") if variant == "extra_data_axis" else "fsdp"
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_batches(batch), batch_size=batch), ts.device(),
+                               input_sharding=ts.ShardingSpec(mesh, (batch_axes, None)))
+    losses = []
+    for x, y in loader:
+        with ts.step():
+            out = model(x)
+            loss = _loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    sharded = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    dtypes = {p.dtype for p in model.parameters()}
+    return losses, ts.full_state_dict(model), sharded, ts.get_sharding(out), dtypes
+
+
+CASES = [
+    ("auto", 2, 4), ("auto", 2, 5), ("auto", 4, 8), ("auto", 4, 7),
+    ("checkpoint", 2, 5), ("checkpoint", 4, 8),
+    ("shard_output", 2, 4), ("shard_output", 4, 7),
+    ("nested", 2, 5), ("nested", 4, 8),
+    ("root_only", 2, 4),
+    ("extra_data_axis", 4, 8), ("extra_data_axis", 4, 6),
+]
+
+
+@pytest.mark.parametrize("variant,world,batch", CASES)
+def test_matches_single_process(dist, variant, world, batch):
+    ref_losses, ref_state = _oracle(batch)
+    results = dist(world).run(_train, variant, batch)
+    for rank, (losses, state, sharded, out_spec, _) in enumerate(results):
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+        assert losses == results[0][0]
+        assert sharded
+        expected_spec = (("data", "fsdp"), None, None) if variant == "extra_data_axis" else ("fsdp", None, None)
+        assert out_spec == expected_spec
+        if rank == 0:
+            assert state.keys() == ref_state.keys()
+            for k in ref_state:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL, msg=k)
+        else:
+            assert state == {}
+
+
+def test_mixed_precision_tracks_fp32(dist):
+    ref_losses, _ = _oracle(8)
+    results = dist(2).run(_train, "auto", 8, 2, "bf16")
+    losses, state, _, _, dtypes = results[0]
+    assert dtypes == {torch.float32}  # master weights stay fp32
+    assert all(v.dtype == torch.float32 for v in state.values())
+    # bf16 compute: losses within 2% of the fp32 run over 5 steps
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert not np.allclose(losses, ref_losses, rtol=1e-6)  # it really ran in bf16
+
+
+def _memory():
+    mesh = _mesh("auto")
+    model = ts.FSDPv2(_model(3), mesh=mesh, auto_wrap_policy=_policy())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = ts.mark_sharding(torch.randint(0, VOCAB, (8, 8)), mesh, ("fsdp", None))
+    _loss(model(x), x).backward()
+    opt.step()
+
+    def local_bytes(t):
+        t = t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p.grad) for p in model.parameters())
+    states = sum(local_bytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")
+    return params, grads, states
+
+
+def test_each_rank_holds_a_quarter_of_model_state(dist):
+    full = _model(3)
+    shapes = [p.shape for p in full.parameters()]
+    param_bytes = sum(p.numel() * 4 for p in full.parameters())
+    # FSDP2 pads dim 0 up to a multiple of 4: the largest such padding of one parameter
+    padding = max((-(-s[0] // 4) * 4 - s[0]) * (int(np.prod(s[1:])) if len(s) > 1 else 1) * 4 for s in shapes)
+    for params, grads, states in dist(4).run(_memory):
+        assert params <= param_bytes / 4 + padding
+        assert grads <= param_bytes / 4 + padding
+        assert states <= 2 * (param_bytes / 4 + padding)  # Adam: exp_avg and exp_avg_sq
+
+
+def _clip_and_state():
+    mesh = _mesh("auto")
+    model = ts.FSDPv2(_model(2), mesh=mesh, auto_wrap_policy=_policy())
+    x, y = _batches(4)[0:4]
+    xd = ts.mark_sharding(x, mesh, ("fsdp", None))
+    yd = ts.mark_sharding(y, mesh, ("fsdp", None))
+    _loss(model(xd), yd).backward()
+    norm = ts.clip_grad_norm_(model, 0.1)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    sharded = {k: ts.get_sharding(v) for k, v in model.state_dict().items()}
+    full = ts.full_state_dict(model, rank0_only=False)
+    return norm, grads, sharded, full
+
+
+def test_clip_grad_norm_and_state_dicts(dist):
+    model = _model(2)
+    x, y = _batches(4)[0:4]
+    _loss(model(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    for norm, grads, sharded, full in dist(2).run(_clip_and_state):
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=RTOL, atol=ATOL)
+        assert set(sharded) == set(model.state_dict())  # keys of the unwrapped module
+        assert all(spec[0] == "fsdp" for spec in sharded.values())  # sharded by default
+        fresh = DecoderModel(vocab_size=VOCAB, dim=16, num_layers=2, num_heads=2, intermediate_size=24, max_seq_len=16)
+        fresh.load_state_dict(full)  # loads into the unwrapped model
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(fresh.state_dict()[k], v)
+
+
+def _errors():
+    mesh = _mesh("auto")
+    out = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:
+            out[name] = (type(e).__name__, str(e))
+
+    wrapped = ts.FSDPv2(nn.Linear(4, 4), mesh=mesh)
+    catch("already_wrapped", lambda: ts.FSDPv2(wrapped, mesh=mesh))
+    catch("no_forward", lambda: ts.FSDPv2(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh))
+    ts.set_global_mesh(None)
+    catch("no_mesh", lambda: ts.FSDPv2(nn.Linear(4, 4)))
+    n = ts.global_runtime_device_count()
+    catch("no_fsdp_axis", lambda: ts.FSDPv2(nn.Linear(4, 4), mesh=ts.Mesh(np.arange(n), (n,), ("data",))))
+    catch("extra_axis", lambda: ts.FSDPv2(nn.Linear(4, 4), mesh=mesh, extra_data_axis="ddp"))
+    seq = nn.Sequential(ts.FSDPv2(nn.Linear(4, 4), mesh=mesh), nn.Linear(4, 4))
+    catch("wrapped_child", lambda: ts.FSDPv2(seq, mesh=mesh, auto_wrap_policy=ts.always_wrap_policy))
+    catch("checkpoint_after", lambda: ts.checkpoint_module(ts.FSDPv2(nn.Linear(4, 4), mesh=mesh)))
+    catch("bad_output", lambda: ts.FSDPv2(_Odd(), mesh=mesh)(ts.mark_sharding(torch.ones(4, 2), mesh, ("fsdp", None))))
+    return out
+
+
+class _Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return {"a", "set"}
+
+
+def test_errors_name_the_culprit(dist):
+    out = dist(2).run(_errors)[0]
+    assert out["already_wrapped"][0] == "RuntimeError" and "already wrapped" in out["already_wrapped"][1]
+    assert out["no_forward"][0] == "RuntimeError" and "must define a `forward`" in out["no_forward"][1]
+    assert out["no_mesh"][0] == "ValueError" and "no global mesh" in out["no_mesh"][1]
+    assert out["no_fsdp_axis"][0] == "ValueError" and "axis named 'fsdp'" in out["no_fsdp_axis"][1]
+    assert out["extra_axis"][0] == "ValueError" and "ddp axis is not in the mesh" in out["extra_axis"][1]
+    assert out["wrapped_child"][0] == "ValueError" and "Expected 0 to NOT be" in out["wrapped_child"][1]
+    assert out["checkpoint_after"][0] == "SpmdError" and "before" in out["checkpoint_after"][1]
+    assert out["bad_output"][0] == "RuntimeError" and "provide your own shard_output" in out["bad_output"][1]
+
+
+def test_fsdpv2_needs_use_spmd():
+    with pytest.raises(ts.SpmdError, match="use_spmd"):
+        ts.FSDPv2(nn.Linear(2, 2))
