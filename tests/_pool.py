@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import signal
 import socket
+import time
 import traceback
 
 
@@ -28,6 +31,10 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> Non
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
         TORCHSPMD_ALL_RANKS_OUTPUT="1",
     )
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool dumps stacks of a hung rank
     import torch
 
     torch.set_num_threads(1)
@@ -46,7 +53,9 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> Non
             break
         fn, args, kwargs = msg
         try:
-            outbox.put((rank, True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            pickle.dumps(result)  # fail here, visibly, rather than in the queue's feeder thread
+            outbox.put((rank, True, result))
         except BaseException:  # reported to the test
             outbox.put((rank, False, traceback.format_exc()))
 
@@ -56,7 +65,7 @@ class WorkerFailed(AssertionError):
 
 
 class Pool:
-    def __init__(self, world: int, timeout: float = 180.0):
+    def __init__(self, world: int, timeout: float = float(os.environ.get("TORCHSPMD_TEST_TIMEOUT", 180))):
         self.world = world
         self.timeout = timeout
         ctx = mp.get_context("spawn")
@@ -80,6 +89,10 @@ class Pool:
                 rank, ok, value = self.outbox.get(timeout=self.timeout)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                for p in self.procs:  # print where each rank is stuck, then give up on the pool
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(1)
                 self.close()
                 raise WorkerFailed(f"{what}: no answer from every rank within {self.timeout}s (dead ranks: {dead})")
             if ok:

@@ -57,6 +57,16 @@ def _mark_logits(output, mesh):
 
 
 def _wrap(variant, model, mesh):
+    if variant == "offload":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), cpu_offload=True)
+    if variant == "no_reshard":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), reshard_after_forward=False)
+    if variant == "user_sharded":
+        # the user shards the LM head over 'model' themselves; FSDPv2 leaves it as it is
+        model.lm_head.weight = ts.mark_sharding(model.lm_head.weight, mesh, ("model", None))
+        wrapped = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy())
+        assert ts.get_sharding(wrapped.lm_head.weight) == ("model", None)
+        return wrapped
     if variant == "auto":
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy())
     if variant == "checkpoint":
@@ -79,6 +89,8 @@ def _mesh(variant):
     n = ts.global_runtime_device_count()
     if variant == "extra_data_axis":
         return ts.Mesh(np.arange(n), (2, n // 2), ("data", "fsdp"))
+    if variant == "user_sharded":
+        return ts.Mesh(np.arange(n), (n // 2, 2), ("fsdp", "model"))
     return ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
 
 
@@ -115,6 +127,8 @@ CASES = [
     ("nested", 2, 5), ("nested", 4, 8),
     ("root_only", 2, 4),
     ("extra_data_axis", 4, 8), ("extra_data_axis", 4, 6),
+    ("offload", 2, 4), ("no_reshard", 2, 5),
+    ("user_sharded", 4, 4), ("user_sharded", 4, 5),
 ]
 
 
@@ -258,3 +272,48 @@ def test_errors_name_the_culprit(dist):
 def test_fsdpv2_needs_use_spmd():
     with pytest.raises(ts.SpmdError, match="use_spmd"):
         ts.FSDPv2(nn.Linear(2, 2))
+
+
+class _Output(dict):
+    """Stands in for transformers' ModelOutput: a dict subclass with attributes."""
+
+    def __getattr__(self, k):
+        return self[k]
+
+
+class _WithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 5)
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        return _Output(logits=logits, loss=nn.functional.cross_entropy(logits, labels))
+
+
+def _model_output(rows):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("fsdp",))
+    model = ts.FSDPv2(_WithLoss(), mesh=mesh)
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(rows, 3, generator=g), torch.randint(0, 5, (rows,), generator=g)
+    out = model(ts.mark_sharding(x, mesh, ("fsdp", None)), labels=ts.mark_sharding(labels, mesh, ("fsdp",)))
+    out.loss.backward()
+    return type(out).__name__, out.logits.full_tensor().detach(), out.loss.item(), model.lin.weight.grad.full_tensor()
+
+
+@pytest.mark.parametrize("world,rows", [(2, 6), (2, 5), (4, 8)])
+def test_model_output_logits_and_scalar_loss(dist, world, rows):
+    ref = _WithLoss()
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(rows, 3, generator=g), torch.randint(0, 5, (rows,), generator=g)
+    logits = ref.lin(x)
+    loss = nn.functional.cross_entropy(logits, labels)
+    loss.backward()
+    for kind, got_logits, got_loss, grad in dist(world).run(_model_output, rows):
+        assert kind == "_Output"
+        torch.testing.assert_close(got_logits, logits, rtol=RTOL, atol=ATOL)
+        # a loss the module computed on its rows: the row-weighted mean over devices
+        assert got_loss == pytest.approx(loss.item(), rel=RTOL)
+        torch.testing.assert_close(grad, ref.lin.weight.grad, rtol=RTOL, atol=ATOL)

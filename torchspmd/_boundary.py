@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +44,9 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return new
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_map(v, fn) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)
+                                           if f.init})
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map(v, fn) for v in obj)
     return obj

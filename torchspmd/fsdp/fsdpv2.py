@@ -169,11 +169,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         # Parameters the user sharded already (mark_sharding) are left as they are.
         ignored = {p for p in module.parameters() if isinstance(p, DTensor) and p not in managed}
         if ignored:
-            raise SpmdError(
-                "FSDPv2: the module holds parameters already sharded with mark_sharding "
-                f"({len(ignored)} of them); combining them with FSDPv2 is not supported in this version: "
-                "leave the parameters unannotated and let FSDPv2 shard them over 'fsdp'"
-            )
+            _gather_on_use(module, ignored, self._mesh, self._data_dims)
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
         fully_shard(
             module,
@@ -181,6 +177,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
             reshard_after_forward=reshard_after_forward,
             mp_policy=_mp_policy(mixed_precision),
             offload_policy=offload,
+            ignored_params=ignored or None,
         )
         _sum_reductions(module)
 
@@ -242,6 +239,51 @@ def _sum_reductions(module: nn.Module) -> None:
             m.set_gradient_divide_factor(1.0)
             # With a factor of 1 FSDP2 would ask for PREMUL_SUM, which gloo rejects.
             m.set_force_sum_reduction_for_comms(True)
+
+
+def _gather_on_use(module: nn.Module, params: set, mesh: Mesh, data_dims: list[int]) -> None:
+    """Inside the unit, a parameter the user sharded is used whole: its owner module sees
+    the gathered value during its forward. The gradient flows back as a pending sum over
+    the data axes (each process saw its own rows), resolved into the parameter's own
+    layout: the parameter, its gradient and optimizer state keep the user's sharding."""
+    owners: dict[nn.Module, list[str]] = {}
+    for owner in module.modules():
+        if getattr(owner, "_torchspmd_checkpointed", False) and any(
+            p in params for p in owner.parameters()
+        ):
+            raise SpmdError(
+                "FSDPv2: a module holding parameters sharded with mark_sharding cannot also use "
+                "checkpoint_module; checkpoint another module, or leave those parameters unannotated"
+            )
+        for name, p in owner.named_parameters(recurse=False):
+            if p in params:
+                if p.device_mesh != mesh.device_mesh:
+                    raise SpmdError(
+                        f"FSDPv2: parameter {name!r} is sharded over another mesh than FSDPv2's; "
+                        f"mark it with the same Mesh"
+                    )
+                owners.setdefault(owner, []).append(name)
+
+    def gather(p: DTensor) -> torch.Tensor:
+        whole = p.redistribute(p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+        return whole.to_local(grad_placements=[Partial() if i in data_dims else Replicate()
+                                               for i in range(p.device_mesh.ndim)])
+
+    for owner, names in owners.items():
+        def pre(mod, args, names=names):
+            mod._torchspmd_user_params = {}
+            for n in names:
+                p = mod._parameters.pop(n)
+                mod._torchspmd_user_params[n] = p
+                setattr(mod, n, gather(p))
+
+        def post(mod, args, output, names=names):
+            for n in names:
+                delattr(mod, n)
+                mod._parameters[n] = mod._torchspmd_user_params.pop(n)
+
+        owner.register_forward_pre_hook(pre)
+        owner.register_forward_hook(post, always_call=True)
 
 
 def _strip_prefix_hook(module, state_dict, prefix, local_metadata):
