@@ -357,9 +357,14 @@ def _item(op, args, kwargs):
     value of a pending sum otherwise)."""
     (x,) = args
     mesh = x.device_mesh
-    if any(not p.is_replicate() for p in x.placements):
-        x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return op(x.to_local())
+    if all(p.is_replicate() or (p.is_partial() and p.reduce_op == "sum") for p in x.placements):
+        value = x.to_local()
+        for dim, p in enumerate(x.placements):  # one all-reduce per axis that holds a pending sum
+            if p.is_partial() and mesh.size(dim) > 1:
+                value = value.clone()
+                dist.all_reduce(value, group=mesh.get_group(dim))
+        return op(value)
+    return op(x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local())
 
 
 def _below_autograd(handler: Callable) -> Callable:

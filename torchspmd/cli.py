@@ -1,6 +1,6 @@
-"""The ``torchspmd`` command: ``run`` and ``info``.
+"""The ``torchspmd`` command: ``train``, ``export``, ``generate``, ``run`` and ``info``.
 
-(``train``, ``plan`` and ``export`` are not part of this version yet.)
+(``plan`` is not part of this version yet.)
 """
 
 from __future__ import annotations
@@ -81,7 +81,49 @@ def cmd_info(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "info": cmd_info}
+def cmd_train(argv: list[str]) -> int:
+    from torchspmd.train import PRESETS, from_args, run
+
+    cfg, ns = from_args(argv)
+    if ns.list_presets:
+        for name, over in PRESETS.items():
+            print(f"{name}: {over or '(the defaults)'}")
+        return 0
+    if ns.print_config:
+        print(cfg.to_toml())
+        return 0
+    run(cfg)
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="torchspmd export",
+                                description="Write a checkpoint as a transformers directory (safetensors + config).")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a train output directory (its newest checkpoint)")
+    p.add_argument("out", help="directory to write")
+    args = p.parse_args(argv)
+    from torchspmd.train.export import export
+
+    print(f"wrote {export(args.checkpoint, args.out)}")
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="torchspmd generate", description="Sample text from a checkpoint.")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a train output directory")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from torchspmd.train.export import generate
+
+    print(generate(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "export": cmd_export, "generate": cmd_generate, "run": cmd_run, "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="torchspmd",
         description="torchspmd: SPMD sharding and FSDPv2 on PyTorch's distributed engine",
     )
-    parser.add_argument("command", choices=sorted(COMMANDS), help="run: start a script once per device; info: versions and devices")
+    parser.add_argument("command", choices=list(COMMANDS), help="train: the training job; export: a checkpoint as a "
+                        "transformers directory; generate: sample from a checkpoint; run: start a script once per "
+                        "device; info: versions and devices")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv[:1] or ["--help"])
     try:

@@ -1,0 +1,118 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory ``step-00000100`` holding the model's and optimizer's
+shards (DCP, reshardable: load it on another number of devices), ``state.pt`` (the
+rest: scheduler, sampler position, RNG states, step), and ``config.toml``. It is
+written under a temporary name and renamed once complete, so a crash in the middle of
+a save leaves the previous checkpoint as it was; only the newest ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchspmd._errors import SpmdError
+
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temporary ones are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "state.pt").exists()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _optim_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], config_toml: str,
+         keep: int = 2, _fail_after_shards: bool = False) -> Path:
+    """Write checkpoint ``step`` under ``root`` (every process calls it)."""
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp"
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save({"model": model.state_dict(), "optim": _optim_state(model, optimizer)}, checkpoint_id=str(tmp))
+    if _fail_after_shards:  # tests: a crash between the shards and the rest
+        raise RuntimeError("simulated crash during checkpoint save")
+    if _rank() == 0:
+        torch.save(state, tmp / "state.pt")
+        (tmp / "config.toml").write_text(config_toml)
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size()
+                                                   if dist.is_initialized() else 1}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: the checkpoint appears whole or not at all
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: str | Path, model, optimizer) -> dict:
+    """Load a checkpoint into ``model`` and ``optimizer`` (resharding as needed); return
+    the rest of its state."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    path = Path(path)
+    if not (path / "state.pt").exists() or not (path / ".metadata").exists():
+        raise SpmdError(f"checkpoint {path}: not a complete torchspmd checkpoint (state.pt or .metadata missing)")
+    model_sd = model.state_dict()
+    optim_sd = _optim_state(model, optimizer)
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise SpmdError(f"checkpoint {path}: cannot read its metadata ({e}); it is corrupt") from None
+    for key, value in model_sd.items():
+        entry = meta.state_dict_metadata.get(f"model.{key}")
+        if entry is None:
+            raise SpmdError(f"checkpoint {path}: it has no weights for {key!r}; it was saved from another model")
+        if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
+            raise SpmdError(f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and {tuple(value.shape)} "
+                            f"in this model; it was saved from a model of another shape")
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    return torch.load(path / "state.pt", weights_only=False)
+
+
+def load_full_model_state(path: str | Path, model: torch.nn.Module) -> None:
+    """Load a checkpoint's model weights into a plain (unsharded) model in this one
+    process, without a process group (for export and sampling)."""
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(sd["model"])

@@ -1,0 +1,226 @@
+"""Text for the train job: corpora, tokenizers, packing, and a resumable sampler.
+
+The default corpus is the Python standard library's own source, found at run time, so
+it exists on every machine. Documents are tokenized once (by rank 0, cached in the
+output directory), joined with an end-of-text token and cut into fixed-length
+sequences; the last ``eval_fraction`` of them is held out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchspmd._errors import SpmdError
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
+
+
+# -- tokenizers -----------------------------------------------------------------------
+
+class ByteTokenizer:
+    """Bytes as tokens: ids 0..255, and 256 marks the end of a text."""
+
+    vocab_size = 257
+    eos_id = 256
+    name = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local ``tokenizers`` file (tokenizer.json) or transformers tokenizer directory."""
+
+    def __init__(self, path: str):
+        p = Path(path)
+        if p.is_file():
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(str(p))
+            self.vocab_size = self._tok.get_vocab_size()
+            self._encode = lambda s: self._tok.encode(s).ids
+            self._decode = lambda ids: self._tok.decode(list(ids))
+            eos = next((t for t in ("</s>", "<|endoftext|>", "<eos>") if self._tok.token_to_id(t) is not None), None)
+            self.eos_id = self._tok.token_to_id(eos) if eos else self.vocab_size - 1
+        elif p.is_dir():
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(str(p))
+            self.vocab_size = len(self._tok)
+            self._encode = lambda s: self._tok.encode(s, add_special_tokens=False)
+            self._decode = lambda ids: self._tok.decode(list(ids))
+            self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else self.vocab_size - 1
+        else:
+            raise SpmdError(f"data.tokenizer = {path!r}: no such file or directory (use 'byte' or a local path)")
+        self.name = str(p.resolve())
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, ids) -> str:
+        return self._decode(ids)
+
+
+def make_tokenizer(spec: str):
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+# -- corpora ----------------------------------------------------------------------------
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if not files:
+        raise SpmdError(f"the standard library's source was not found under {root}; set data.path")
+    return files
+
+
+def iter_documents(path: str, text_field: str) -> Iterator[str]:
+    """Documents from the configured source (see ``DataConfig.path``)."""
+    if not path:
+        for f in stdlib_files():
+            yield f.read_text(encoding="utf-8", errors="replace")
+        return
+    p = Path(path)
+    if not p.exists():
+        raise SpmdError(f"data.path = {path!r}: no such file or directory")
+    if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(p))
+        if hasattr(ds, "keys") and "train" in ds:
+            ds = ds["train"]
+        if text_field not in ds.column_names:
+            raise SpmdError(f"data.path = {path!r}: the data set has no field {text_field!r} "
+                            f"(fields: {ds.column_names}); set data.text_field")
+        for rec in ds:
+            yield rec[text_field]
+        return
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES) if p.is_dir() else [p]
+    if not files:
+        raise SpmdError(f"data.path = {path!r}: no text files ({', '.join(TEXT_SUFFIXES)}) found")
+    for f in files:
+        if f.suffix == ".jsonl":
+            with f.open(encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        rec = json.loads(line)
+                        if text_field not in rec:
+                            raise SpmdError(f"{f}:{n}: record has no field {text_field!r}; set data.text_field")
+                        yield rec[text_field]
+        elif f.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise SpmdError(f"{f}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+            table = pq.read_table(f, columns=[text_field])
+            yield from (t for t in table.column(text_field).to_pylist() if t)
+        else:
+            yield f.read_text(encoding="utf-8", errors="replace")
+
+
+def tokenize_corpus(path: str, text_field: str, tokenizer, max_bytes: int) -> np.ndarray:
+    ids: list[int] = []
+    seen = 0
+    for doc in iter_documents(path, text_field):
+        if not doc:
+            continue
+        ids.extend(tokenizer.encode(doc))
+        ids.append(tokenizer.eos_id)
+        seen += len(doc)
+        if max_bytes and seen >= max_bytes:
+            break
+    if len(ids) == 0 or seen == 0:
+        raise SpmdError(f"data.path = {path!r}: holds no text")
+    dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.int32
+    return np.asarray(ids, dtype=dtype)
+
+
+def load_tokens(cfg, tokenizer, cache_dir: Path) -> np.ndarray:
+    """Tokenize once (rank 0) into ``cache_dir``; every process then maps the file."""
+    key = hashlib.sha1(json.dumps([cfg.path and str(Path(cfg.path).resolve()), cfg.text_field, tokenizer.name,
+                                   cfg.max_bytes]).encode()).hexdigest()[:12]
+    cache = cache_dir / f"tokens-{key}.npy"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error: list[str] = []
+    if rank == 0 and not cache.exists():
+        try:
+            tokens = tokenize_corpus(cfg.path, cfg.text_field, tokenizer, cfg.max_bytes)
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp{os.getpid()}.npy")
+            np.save(tmp, tokens)
+            os.replace(tmp, cache)
+        except SpmdError as e:
+            error.append(str(e))
+    if dist.is_initialized():
+        box = [error[0] if error else None]
+        dist.broadcast_object_list(box, src=0)
+        error = [box[0]] if box[0] else []
+    if error:
+        raise SpmdError(error[0])
+    return np.load(cache, mmap_mode="r")
+
+
+class PackedSequences(torch.utils.data.Dataset):
+    """Fixed-length windows of a token stream: ``(x, y)`` with ``y`` shifted by one."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, count: int):
+        self.tokens, self.seq_len, self.start, self.count = tokens, seq_len, start, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        off = (self.start + i) * self.seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[off : off + self.seq_len + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+def split(tokens: np.ndarray, seq_len: int, eval_fraction: float) -> tuple[PackedSequences, PackedSequences]:
+    n = (len(tokens) - 1) // seq_len
+    if n < 2:
+        raise SpmdError(f"the corpus has {len(tokens)} tokens: not enough for two sequences of data.seq_len = "
+                        f"{seq_len}; give more text or a shorter data.seq_len")
+    n_eval = max(1, int(n * eval_fraction)) if eval_fraction > 0 else 0
+    return PackedSequences(tokens, seq_len, 0, n - n_eval), PackedSequences(tokens, seq_len, n - n_eval, n_eval)
+
+
+class ResumableBatchSampler(torch.utils.data.Sampler):
+    """Global batches of indices, shuffled per epoch from ``seed``; starts at batch
+    ``start`` (the number already consumed), so a resumed run sees exactly the batches
+    an uninterrupted one would. Deterministic: every process draws the same batches."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0):
+        if size < batch_size:
+            raise SpmdError(f"optim.batch_size = {batch_size} is larger than the {size} training sequences")
+        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
+        self.per_epoch = size // batch_size  # drop the odd last batch
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __iter__(self):
+        index = self.start
+        cached_epoch, perm = None, None
+        while True:
+            epoch, pos = divmod(index, self.per_epoch)
+            if epoch != cached_epoch:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                perm, cached_epoch = torch.randperm(self.size, generator=g), epoch
+            yield perm[pos * self.batch_size : (pos + 1) * self.batch_size].tolist()
+            index += 1

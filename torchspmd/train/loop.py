@@ -1,0 +1,342 @@
+"""The training loop of ``torchspmd train``."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchspmd as ts
+from torchspmd import checkpoint as ckpt
+from torchspmd._errors import SpmdError
+from torchspmd.train import data as tdata
+from torchspmd.train.config import TrainConfig
+from torchspmd.train.models import build_model, init_weights, layer_classes, logits_of
+
+# Dense bf16 peak FLOP/s per device, for model FLOPs utilisation; other devices report none.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+
+def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def _memory_gb() -> float:
+    """Peak memory of this device: CUDA allocations, or the process's peak RSS on CPU."""
+    if torch.cuda.is_available() and ts.backend() == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _device_count(cfg: TrainConfig) -> int | None:
+    if cfg.mesh.devices:
+        return cfg.mesh.devices
+    if os.environ.get(ts.runtime.ENV_NUM_DEVICES) or os.environ.get(ts.runtime.XLA_CPU_NUM_DEVICES):
+        return None
+    backend = cfg.mesh.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    return None if backend == "cuda" else 2
+
+
+def _lr_lambda(cfg: TrainConfig):
+    o = cfg.optim
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / max(1, o.warmup_steps)
+        progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class _Metrics:
+    """metrics.csv and TensorBoard (rank 0 only)."""
+
+    FIELDS = ["step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gb", "skipped"]
+
+    def __init__(self, out: Path, tensorboard: bool, first_step: int):
+        self.on = dist.get_rank() == 0
+        self.path = out / "metrics.csv"
+        self.tb = None
+        if not self.on:
+            return
+        rows = []
+        if self.path.exists() and first_step > 0:  # resumed: keep the rows up to the checkpoint
+            with self.path.open() as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= first_step]
+        with self.path.open("w", newline="") as f:
+            w = csv.DictWriter(f, self.FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed: metrics go to metrics.csv only (pip install tensorboard)")
+
+    def write(self, row: dict) -> None:
+        if not self.on:
+            return
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, self.FIELDS).writerow({k: row.get(k, "") for k in self.FIELDS})
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and v == v:
+                    self.tb.add_scalar(k, v, row["step"])
+            self.tb.flush()
+
+    def plot(self, out: Path) -> None:
+        if not self.on:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        with self.path.open() as f:
+            rows = list(csv.DictReader(f))
+        train = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
+        evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train), label="train")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="held-out")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title("torchspmd train")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=100)
+        plt.close(fig)
+
+
+@torch.no_grad()
+def _evaluate(model, batches, vocab: int) -> float:
+    total, n = 0.0, 0
+    for x, y in batches:
+        logits = logits_of(model(x))
+        total += F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)).item()
+        n += 1
+    return total / max(n, 1)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, seed: int = 0) -> str:
+    """Sample text (top-k 10, temperature 0.8); every process draws the same tokens."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(tokens):
+        ctx = torch.tensor([ids[-seq_len:]] * rows)
+        logits = logits_of(model(ctx))
+        last = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits)[0, -1].float().cpu()
+        top = torch.topk(last / 0.8, 10)
+        nxt = int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)])
+        if nxt == tokenizer.eos_id:
+            break
+        ids.append(nxt)
+    return tokenizer.decode(ids)
+
+
+def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
+    r = cfg.checkpoint.resume
+    if r == "none":
+        return None
+    if r == "auto":
+        return ckpt.latest_checkpoint(out / "checkpoints")
+    p = Path(r)
+    if not p.is_dir():
+        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory")
+    return p
+
+
+def run(cfg: TrainConfig) -> dict:
+    ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(cfg.out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"torchspmd train: {world} device(s), backend {ts.backend()}, output {out}\n")
+        print(cfg.to_toml())
+    dist.barrier()
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
+    model, info = build_model(cfg.model, tokenizer.vocab_size)
+    vocab = info["config"].vocab_size if info["config"] is not None else tokenizer.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
+                        f"use the model's own tokenizer (data.tokenizer = its directory)")
+    if info["positions"] and cfg.data.seq_len > info["positions"]:
+        raise SpmdError(f"data.seq_len = {cfg.data.seq_len} is beyond the model's {info['positions']} positions")
+    tokens = tdata.load_tokens(cfg.data, tokenizer, out / "cache")
+    train_ds, eval_ds = tdata.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+
+    if world % cfg.mesh.data:
+        raise SpmdError(f"mesh.data = {cfg.mesh.data} does not divide the {world} devices")
+    mesh = ts.Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
+    ts.set_global_mesh(mesh)
+    micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    if micro % world:
+        raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
+                        f"divisible by the {world} data-parallel devices; use a multiple of {world}")
+
+    import functools
+
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(model))
+    wrapper = None
+    if cfg.precision.checkpointing:
+        def wrapper(m, *a, **k):
+            return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
+    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
+                      extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None)
+    if cfg.model.meta_init:
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        model.to_empty(device=ts.device())
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+        torch.manual_seed(cfg.seed + 1 + rank)  # each shard draws its own values
+        init_weights(model, info["kind"])
+        torch.manual_seed(cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+
+    step = 0
+    resume = _resume_path(cfg, out)
+    if resume is not None:
+        state = ckpt.load(resume, model, opt)
+        sched.load_state_dict(state["scheduler"])
+        step = state["step"]
+        torch.set_rng_state(state["rng"])
+        if rank == 0:
+            print(f"resumed from {resume} at step {step} (saved on {state.get('world_size', '?')} devices)")
+
+    spec = ts.ShardingSpec(mesh, (("data", "fsdp"), None))
+    sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=step * cfg.optim.grad_accum)
+    train_iter = iter(ts.MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), ts.device(),
+                                        input_sharding=spec))
+    eval_batches = []
+    if len(eval_ds) >= micro:
+        n_eval = min(cfg.logging.eval_batches, len(eval_ds) // micro)
+        eval_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(eval_ds, range(n_eval * micro)),
+                                                  batch_size=micro)
+        eval_batches = ts.MpDeviceLoader(eval_loader, ts.device(), input_sharding=spec)
+
+    metrics = _Metrics(out, cfg.logging.tensorboard, step)
+    peak = _peak_flops()
+    tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len
+    flops_per_token = 6 * n_params
+    progress = _Progress(cfg, step, n_params, world) if rank == 0 else None
+    bad = 0
+    last_saved = step if resume is not None else -1
+    losses: list[float] = []
+    eval_loss = float("nan")
+    while step < cfg.optim.max_steps:
+        t0 = time.perf_counter()
+        with ts.step():
+            loss_sum = 0.0
+            for _ in range(cfg.optim.grad_accum):
+                x, y = next(train_iter)
+                logits = logits_of(model(x))
+                loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
+                loss.backward()
+                loss_sum += loss.item()
+            if cfg.optim.grad_clip > 0:
+                grad_norm = float(ts.clip_grad_norm_(model, cfg.optim.grad_clip))
+            else:
+                grad_norm = float(ts.clip_grad_norm_(model, float("inf")))
+            finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+            if finite:
+                opt.step()
+                bad = 0
+            else:
+                bad += 1
+                if rank == 0:
+                    print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
+                if bad >= cfg.optim.max_bad_steps:
+                    raise SpmdError(f"stopping: {bad} consecutive steps with a non-finite loss or gradient "
+                                    f"(optim.max_bad_steps); lower optim.lr or check the data")
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        step += 1
+        dt = time.perf_counter() - t0
+        losses.append(loss_sum)
+        tps = tokens_per_step / dt
+        row = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
+               "tokens_per_s": tps, "mfu": (flops_per_token * tps / (peak * world)) if peak else "",
+               "memory_gb": _memory_gb(), "skipped": int(not finite)}
+        if eval_batches and (step % cfg.logging.eval_every == 0 or step == cfg.optim.max_steps):
+            eval_loss = _evaluate(model, eval_batches, vocab)
+            row["eval_loss"] = eval_loss
+        if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps:
+            metrics.write(row)
+        if progress:
+            progress.update(step, row)
+        if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
+            state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
+                     "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
+            ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep)
+            last_saved = step
+    if progress:
+        progress.close()
+    metrics.plot(out)
+    text = ""
+    if cfg.logging.sample_tokens > 0:
+        text = sample(model, tokenizer, cfg.logging.prompt, cfg.logging.sample_tokens, cfg.data.seq_len, world)
+        if rank == 0:
+            print("\n--- sample ---\n" + text + "\n--------------")
+    if rank == 0:
+        print(f"done: {step} steps; metrics {out / 'metrics.csv'}, plot {out / 'loss.png'}, "
+              f"checkpoints {out / 'checkpoints'}")
+    return {"losses": losses, "eval_loss": eval_loss, "sample": text, "last_saved": last_saved}
+
+
+class _Progress:
+    """A live progress bar on rank 0 (rich), plus a log line every ``logging.every`` steps."""
+
+    def __init__(self, cfg: TrainConfig, start: int, n_params: int, world: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.cfg = cfg
+        self.console = Console()
+        self.console.print(f"model: {n_params / 1e6:.2f}M parameters, sharded over {world} device(s)")
+        self.progress = None
+        if cfg.logging.progress and self.console.is_terminal:
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[info]}"), console=self.console)
+            self.task = self.progress.add_task("train", total=cfg.optim.max_steps, completed=start, info="")
+            self.progress.start()
+
+    def update(self, step: int, row: dict) -> None:
+        info = (f"loss {row['loss']:.3f}  {row['tokens_per_s']:.0f} tok/s  {row['memory_gb']:.2f} GB/device"
+                + (f"  mfu {row['mfu']:.1%}" if row["mfu"] != "" else ""))
+        if self.progress:
+            self.progress.update(self.task, completed=step, info=info)
+        if step % self.cfg.logging.every == 0 or "eval_loss" in row or step == self.cfg.optim.max_steps:
+            extra = f"  eval {row['eval_loss']:.3f}" if "eval_loss" in row else ""
+            self.console.print(f"step {step:>6}  {info}  lr {row['lr']:.2e}  grad {row['grad_norm']:.2f}{extra}")
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()

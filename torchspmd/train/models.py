@@ -1,0 +1,136 @@
+"""Models for the train job: the seed decoder, or any transformers causal LM built from
+a config (or loaded from a local pretrained directory), and the layer class to wrap."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from torchspmd._errors import SpmdError
+from torchspmd.models import DecoderLayer, DecoderModel, RMSNorm
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device (no memory); buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _hf_config(cfg, vocab_size: int):
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise SpmdError(f"model.name = {cfg.name!r} needs transformers: pip install 'torchspmd[train]'") from None
+    kwargs = dict(vocab_size=vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+                  max_position_embeddings=cfg.max_seq_len, use_cache=False, tie_word_embeddings=False)
+    if cfg.num_kv_heads:
+        kwargs["num_key_value_heads"] = cfg.num_kv_heads
+    try:
+        config = AutoConfig.for_model(cfg.name, **kwargs)
+    except ValueError:
+        from transformers import CONFIG_MAPPING
+
+        raise SpmdError(f"model.name = {cfg.name!r} is not a model type transformers knows "
+                        f"(e.g. {', '.join(sorted(CONFIG_MAPPING.keys())[:12])}, ...; or 'seed')") from None
+    if hasattr(config, "n_inner"):  # GPT-2 family names its MLP size differently
+        config.n_inner = cfg.intermediate_size
+    if hasattr(config, "head_dim") and cfg.name not in ("gpt2",):
+        config.head_dim = cfg.dim // cfg.num_heads
+    return config
+
+
+def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
+    """The model (parameters on meta if ``cfg.meta_init``) and a description: kind,
+    max positions, the hf config (or None)."""
+    ctx = params_on_meta() if cfg.meta_init else contextlib.nullcontext()
+    if cfg.pretrained:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
+        except OSError as e:
+            raise SpmdError(f"model.pretrained = {cfg.pretrained!r}: not a transformers model directory ({e})") from None
+        model.config.use_cache = False
+        return model, {"kind": "hf", "positions": getattr(model.config, "max_position_embeddings", None),
+                       "config": model.config}
+    if cfg.name == "seed":
+        with ctx:
+            model = DecoderModel(vocab_size=vocab_size, dim=cfg.dim, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                                 intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len)
+        return model, {"kind": "seed", "positions": cfg.max_seq_len, "config": None}
+    config = _hf_config(cfg, vocab_size)
+    from transformers import AutoModelForCausalLM
+
+    with ctx:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, {"kind": "hf", "positions": cfg.max_seq_len, "config": config}
+
+
+def layer_classes(model: nn.Module) -> set[type]:
+    """The repeated block to wrap: from ``_no_split_modules`` (transformers), else the class
+    of the children of the largest ``nn.ModuleList``."""
+    if isinstance(model, DecoderModel):
+        return {DecoderLayer}
+    names = getattr(model, "_no_split_modules", None) or []
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    found = {by_name[n] for n in names if n in by_name}
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise SpmdError(f"cannot find the repeated layers of {type(model).__name__} to wrap")
+    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return {type(biggest[0])}
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, kind: str) -> None:
+    """Initialise parameters in place (after a meta-device build, on each shard)."""
+    if kind == "seed":
+        for m in model.modules():
+            if isinstance(m, nn.MultiheadAttention):
+                m._reset_parameters()
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+        return
+    std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+        elif "norm" in type(m).__name__.lower():
+            for name, p in m.named_parameters(recurse=False):
+                (p.fill_(1.0) if name == "weight" else p.zero_())
+
+
+def logits_of(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def count_params(model: nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() for p in model.parameters()) if not any(
+        isinstance(p, DTensor) for p in model.parameters()) else sum(
+        int(torch.Size(p.shape).numel()) for p in model.parameters())
