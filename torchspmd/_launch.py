@@ -27,6 +27,9 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
     if not opts & {"--standalone", "--rdzv-endpoint", "--master-addr", "--nnodes", "--rdzv-backend"}:
         args = ["--standalone"] + args
     parsed = get_args_parser().parse_args(args)
+    # Restarted workers must not share the rendezvous store of the failed attempt: with it,
+    # they can read the old attempt's peer addresses and fail to connect (pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ:
         per_node = parsed.nproc_per_node
         n = int(per_node) if str(per_node).isdigit() else 1

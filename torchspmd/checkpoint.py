@@ -48,10 +48,51 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _optim_state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def _names(model) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
 
-    return get_optimizer_state_dict(model, optimizer)
+
+def _ensure_optim_state(optimizer) -> None:
+    """Create the optimizer's state (e.g. Adam's moments) if it has none yet, without
+    changing any parameter: one step with zero gradients and a learning rate of 0."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _optim_state(model, optimizer) -> dict:
+    """The optimizer's state keyed by parameter names (so that it can be resharded)."""
+    names = _names(model)
+    sd = optimizer.state_dict()
+    ids = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {ids[i]: v for i, v in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _load_optim_state(model, optimizer, named: dict) -> None:
+    names = _names(model)
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    index = {n: i for i, n in enumerate(order)}
+    missing = [n for n in order if n not in named["state"]]
+    if missing:
+        raise SpmdError(f"checkpoint: no optimizer state for {missing[0]!r}; it was saved from another model")
+    optimizer.load_state_dict({
+        "state": {index[n]: v for n, v in named["state"].items() if n in index},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                         for g in named["param_groups"]],
+    })
 
 
 def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], config_toml: str,
@@ -85,12 +126,11 @@ def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], c
 def load(path: str | Path, model, optimizer) -> dict:
     """Load a checkpoint into ``model`` and ``optimizer`` (resharding as needed); return
     the rest of its state."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     path = Path(path)
     if not (path / "state.pt").exists() or not (path / ".metadata").exists():
         raise SpmdError(f"checkpoint {path}: not a complete torchspmd checkpoint (state.pt or .metadata missing)")
     model_sd = model.state_dict()
+    _ensure_optim_state(optimizer)
     optim_sd = _optim_state(model, optimizer)
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
@@ -106,7 +146,7 @@ def load(path: str | Path, model, optimizer) -> dict:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    _load_optim_state(model, optimizer, state["optim"])
     return torch.load(path / "state.pt", weights_only=False)
 
 

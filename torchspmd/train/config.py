@@ -270,6 +270,10 @@ def validate(cfg: TrainConfig) -> None:
             f"data.seq_len = {d.seq_len} is beyond the model's positions (model.max_seq_len = {m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    if d.path and not Path(d.path).exists():
+        raise SpmdError(f"data.path = {d.path!r}: no such file or directory")
+    if m.pretrained and not Path(m.pretrained).is_dir():
+        raise SpmdError(f"model.pretrained = {m.pretrained!r}: no such directory")
     if not 0 <= d.eval_fraction < 0.5:
         raise SpmdError(f"data.eval_fraction = {d.eval_fraction}: choose a value in [0, 0.5)")
     if cfg.precision.dtype not in ("fp32", "bf16"):

@@ -152,6 +152,19 @@ def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, 
     return tokenizer.decode(ids)
 
 
+# Fault injection for the tests (documented in docs/train.md): kill rank 1 with SIGKILL after
+# step N on the first attempt of an elastic job; crash while saving the checkpoint of step N.
+_KILL_AT = "TORCHSPMD_FAULT_KILL_AT_STEP"
+_FAIL_SAVE = "TORCHSPMD_FAULT_SAVE_AT_STEP"
+
+
+def _inject_kill(step: int, rank: int) -> None:
+    if os.environ.get(_KILL_AT) == str(step) and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     r = cfg.checkpoint.resume
     if r == "none":
@@ -279,6 +292,7 @@ def run(cfg: TrainConfig) -> dict:
             sched.step()
             opt.zero_grad(set_to_none=True)
         step += 1
+        _inject_kill(step, rank)
         dt = time.perf_counter() - t0
         losses.append(loss_sum)
         tps = tokens_per_step / dt
@@ -295,7 +309,8 @@ def run(cfg: TrainConfig) -> dict:
         if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
             state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
                      "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
-            ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep)
+            ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep,
+                      _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step))
             last_saved = step
     if progress:
         progress.close()

@@ -1,0 +1,184 @@
+"""`torchspmd train` end to end on 2 (and 4) CPU processes."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--data.max_bytes", "300000", "--data.seq_len", "64", "--model.max_seq_len", "64", "--model.dim", "64",
+         "--model.num_layers", "2", "--model.intermediate_size", "128", "--optim.batch_size", "8",
+         "--logging.every", "1", "--logging.eval_every", "1000", "--logging.sample_tokens", "0",
+         "--logging.tensorboard", "false"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPU_NUM_DEVICES",
+                                                            "TORCHSPMD_NUM_DEVICES")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def train(out, *args, devices=2, env=None, check=True):
+    cmd = [sys.executable, "-m", "torchspmd.cli", "train", "--out-dir", str(out), "--mesh.devices", str(devices),
+           *SMALL, *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(**(env or {})), timeout=600, cwd=ROOT)
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def losses(out) -> dict[int, float]:
+    with open(Path(out) / "metrics.csv") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["loss"]}
+
+
+def final_weights(out):
+    from torchspmd.train.export import load_plain_model
+
+    model, *_ = load_plain_model(str(out))
+    return model.state_dict()
+
+
+def test_default_job_runs_and_learns(tmp_path):
+    # the default preset, cut to a few steps (and a small corpus read)
+    cmd = [sys.executable, "-m", "torchspmd.cli", "train", "--out-dir", str(tmp_path), "--optim.max_steps", "40",
+           "--data.max_bytes", "400000", "--checkpoint.every", "20", "--logging.every", "5",
+           "--logging.eval_every", "20", "--logging.sample_tokens", "20"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "2 device(s)" in r.stdout and "--- sample ---" in r.stdout
+    assert r.stdout.count("step     40") == 1  # printed once, by rank 0
+    got = losses(tmp_path)
+    assert got[40] < got[5] - 0.5
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-00000020", "step-00000040"]
+    ck = tmp_path / "checkpoints" / "step-00000040"
+    assert (ck / "config.toml").exists() and (ck / ".metadata").exists()
+    assert list((tmp_path / "tensorboard").iterdir())
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[-1]["eval_loss"] and float(rows[-1]["tokens_per_s"]) > 0 and float(rows[-1]["memory_gb"]) > 0
+
+
+def test_exact_resume(tmp_path):
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    train(straight, "--optim.max_steps", "8", "--checkpoint.every", "4")
+    train(halves, "--optim.max_steps", "4", "--checkpoint.every", "4")
+    r = train(halves, "--optim.max_steps", "8", "--checkpoint.every", "4")
+    assert "resumed from" in r.stdout
+    assert losses(halves) == losses(straight)  # identical, not merely close
+    a, b = final_weights(straight), final_weights(halves)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("first,second", [(2, 4), (4, 2)])
+def test_resume_on_another_device_count(tmp_path, first, second):
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train(straight, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=first)
+    train(moved, "--optim.max_steps", "3", "--checkpoint.every", "3", devices=first)
+    r = train(moved, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=second)
+    assert f"{second} device(s)" in r.stdout and "saved on " + str(first) in r.stdout
+    a, b = losses(straight), losses(moved)
+    assert [a[s] for s in range(1, 4)] == [b[s] for s in range(1, 4)]
+    for s in range(4, 7):
+        assert b[s] == pytest.approx(a[s], rel=1e-4)
+
+
+def test_killed_process_is_restarted_and_resumes(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(straight, "--optim.max_steps", "8", "--checkpoint.every", "2")
+    cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", "--max-restarts", "2", "-m", "torchspmd.cli",
+           "train", "--out-dir", str(killed), *SMALL, "--optim.max_steps", "8", "--checkpoint.every", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(TORCHSPMD_FAULT_KILL_AT_STEP=5), timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stdout and "step-00000004" in r.stdout
+    a, b = final_weights(straight), final_weights(killed)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
+    assert losses(killed) == losses(straight)
+
+
+def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
+    r = train(tmp_path, "--optim.max_steps", "8", "--checkpoint.every", "4", check=False,
+              env={"TORCHSPMD_FAULT_SAVE_AT_STEP": "8"})
+    assert r.returncode != 0 and "simulated crash during checkpoint save" in r.stderr
+    from torchspmd.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000004"
+    assert (tmp_path / "checkpoints" / ".step-00000008.tmp").exists()  # the broken one is set aside
+    r = train(tmp_path, "--optim.max_steps", "8", "--checkpoint.every", "4")
+    assert "resumed from" in r.stdout and "step-00000004" in r.stdout
+
+
+def test_export_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    train(tmp_path / "run", "--optim.max_steps", "3", "--checkpoint.every", "3")
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(tmp_path / "run"), str(tmp_path / "hf")],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    ours = final_weights(tmp_path / "run")
+    assert hf.keys() == ours.keys()
+    for k in ours:
+        assert torch.equal(hf[k], ours[k]), k
+    g = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path / "run"), "--tokens", "5"],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert g.returncode == 0 and g.stdout.startswith("def ")
+
+
+def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):
+    r = train(tmp_path / "seed", "--model.name", "seed", "--optim.max_steps", "4", "--checkpoint.every", "4",
+              "--optim.grad_accum", "2", "--model.meta_init", "true", "--precision.checkpointing", "true")
+    got = losses(tmp_path / "seed")
+    assert len(got) == 4 and all(v == v for v in got.values()) and got[1] < 6.0  # ~ln(257) at the start
+
+
+def test_local_jsonl_data_and_bf16(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join('{"text": "the quick brown fox jumps over the lazy dog %d"}' % i for i in range(400)))
+    train(tmp_path / "run", "--data.path", str(data), "--optim.max_steps", "3", "--checkpoint.every", "3",
+          "--precision.dtype", "bf16")
+    assert len(losses(tmp_path / "run")) == 3
+
+
+ERRORS = [
+    (["--model.nope", "1"], "unrecognized arguments: --model.nope"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--model.name", "notamodel"], "model.name = 'notamodel' is not a model type"),
+    (["--data.path", "/nonexistent/x.txt"], "data.path = '/nonexistent/x.txt': no such file or directory"),
+    (["--data.seq_len", "128"], "data.seq_len = 128 is beyond the model's positions"),
+    (["--optim.batch_size", "7"], "not divisible by the 2 data-parallel devices"),
+]
+
+
+@pytest.mark.parametrize("args,message", ERRORS)
+def test_errors_are_clear_and_early(tmp_path, args, message):
+    r = train(tmp_path, *args, "--optim.max_steps", "1", check=False)
+    assert r.returncode != 0
+    assert message in r.stderr
+
+
+def test_config_file_errors_and_empty_data(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\nlearning_rate = 1.0\n")
+    r = train(tmp_path / "a", "--config", str(bad), check=False)
+    assert r.returncode != 0 and "unknown config key optim.learning_rate" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    r = train(tmp_path / "b", "--data.path", str(empty), check=False)
+    assert r.returncode != 0 and "holds no text" in r.stderr
+
+
+def test_checkpoint_from_another_model_shape(tmp_path):
+    train(tmp_path, "--optim.max_steps", "2", "--checkpoint.every", "2")
+    r = train(tmp_path, "--optim.max_steps", "4", "--model.dim", "96", check=False)
+    assert r.returncode != 0 and "saved from a model of another shape" in r.stderr
