@@ -94,3 +94,37 @@ def test_matches_single_process(dist, world, batch, opt_name, loss_name, wrap):
         assert state.keys() == ref_state.keys()  # no wrapper prefixes
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL)
+
+
+def _decoder_run(batch, spmd):
+    from torchspmd.models import DecoderModel
+
+    torch.manual_seed(0)
+    model = DecoderModel(vocab_size=29, dim=16, num_layers=2, num_heads=2, intermediate_size=24, max_seq_len=8)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 29, (batch * 3, 9), generator=g)
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    loader = DataLoader(data, batch_size=batch)
+    if spmd:
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        loader = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for x, y in loader:
+        out = model(x)  # attention, norms, embeddings: all through DTensor
+        loss = F.cross_entropy(out.reshape(-1, 29), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world,batch", [(2, 4), (2, 5)])
+def test_pattern1_decoder_with_attention(dist, world, batch):
+    ref_losses, ref_state = _decoder_run(batch, False)
+    for losses, state in dist(world).run(_decoder_run, batch, True):
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL)

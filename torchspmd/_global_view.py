@@ -80,24 +80,7 @@ class _ReplicateUnannotated(TorchFunctionMode):
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
-        if func in _RESHAPES and isinstance(args[0], DTensor):
-            return _reshape(func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def _reshape(func, args, kwargs):
-    """Flattening an unevenly sharded dim with its neighbours (``logits.view(-1, V)`` on a
-    batch not divisible by the devices) has no torch.chunk layout DTensor can express:
-    gather the dim, reshape, and split the result's first dim again."""
-    x: DTensor = args[0]
-    mesh = x.device_mesh
-    if not _uneven(x):
-        return func(*args, **kwargs)
-    gathered = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
-    out = func(gathered, *args[1:], **kwargs)
-    if out.ndim == 0:
-        return out
-    return out.redistribute(mesh, [Shard(0) if p.is_shard() else q for p, q in zip(x.placements, out.placements)])
 
 
 def _uneven(x: DTensor) -> bool:
@@ -110,7 +93,6 @@ def _uneven(x: DTensor) -> bool:
     return any(x.shape[d] % k for d, k in ways.items())
 
 
-_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
 
 
 # Functions that legitimately take a DTensor beside plain tensors.
@@ -367,6 +349,52 @@ def _item(op, args, kwargs):
     return op(x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local())
 
 
+def _per_row(op, args, kwargs):
+    """Ops that treat each batch row on its own (CPU flash attention and its backward):
+    with inputs split on dim 0 (or replicated), each device computes its rows."""
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, DTensor)]
+    ref = max(tensors, key=lambda t: sum(p.is_shard() for p in t.placements))
+    mesh = ref.device_mesh
+    placements = [Shard(0) if p.is_shard() else Replicate() for p in ref.placements]
+
+    def local(a):
+        if not isinstance(a, DTensor):
+            return a
+        if a.ndim == 0 or a.shape[0] != ref.shape[0]:  # a mask shared by all rows
+            return _settle(a).redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        return a.redistribute(mesh, placements).to_local()
+
+    out = op(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    rows = ref.shape[0]
+
+    def wrap(t):
+        return _wrap(t.contiguous(), mesh, placements, (rows, *t.shape[1:])) if isinstance(t, torch.Tensor) else t
+
+    return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+
+def _default(op, args, kwargs):
+    """DTensor's own handling of ``op`` (bypassing the handler registered here)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    mine = handlers.pop(op)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = mine
+
+
+def _view(op, args, kwargs):
+    """Views of an unevenly split tensor (``logits.view(-1, V)`` on 5 rows over 2
+    devices, attention heads folded into an odd batch) have no torch.chunk layout
+    DTensor can express: gather the uneven dims first (correct, but it moves the tensor)."""
+    x = args[0]
+    if not _uneven(x):
+        return _default(op, args, kwargs)
+    mesh = x.device_mesh
+    whole = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
+    return _default(op, (whole, *args[1:]), kwargs)
+
+
 def _below_autograd(handler: Callable) -> Callable:
     """Handlers run under the autograd kernel; their internal redistributions must not
     record a graph of their own."""
@@ -395,6 +423,10 @@ _HANDLERS: dict = {
     aten.nll_loss2d_forward.default: _nll_forward,
     aten.nll_loss_backward.default: _nll_backward,
     aten.nll_loss2d_backward.default: _nll_backward,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _per_row,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _per_row,
     aten.mean.default: _mean,
     aten.mean.dim: _mean,
 }
