@@ -129,6 +129,10 @@ def test_export_round_trip(tmp_path):
     assert hf.keys() == ours.keys()
     for k in ours:
         assert torch.equal(hf[k], ours[k]), k
+    # the exported directory is a pretrained model to fine-tune
+    train(tmp_path / "ft", "--model.pretrained", str(tmp_path / "hf"), "--optim.max_steps", "2",
+          "--checkpoint.every", "2")
+    assert len(losses(tmp_path / "ft")) == 2
     g = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path / "run"), "--tokens", "5"],
                        capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert g.returncode == 0 and g.stdout.startswith("def ")

@@ -31,6 +31,7 @@ class ModelConfig:
     num_kv_heads: int = _f(0, "key/value heads (0: as many as attention heads)")
     intermediate_size: int = _f(384, "MLP hidden size")
     max_seq_len: int = _f(256, "positions the model supports")
+    dropout: float = _f(0.0, "dropout probability (every dropout of the architecture)")
     meta_init: bool = _f(False, "build the model on the meta device and initialise each shard where it "
                                 "lives: the whole model never exists on one device")
 

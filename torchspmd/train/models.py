@@ -39,8 +39,7 @@ def _hf_config(cfg, vocab_size: int):
     kwargs = dict(vocab_size=vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
                   max_position_embeddings=cfg.max_seq_len, use_cache=False, tie_word_embeddings=False)
-    if cfg.num_kv_heads:
-        kwargs["num_key_value_heads"] = cfg.num_kv_heads
+    kwargs["num_key_value_heads"] = cfg.num_kv_heads or cfg.num_heads
     try:
         config = AutoConfig.for_model(cfg.name, **kwargs)
     except ValueError:
@@ -48,6 +47,9 @@ def _hf_config(cfg, vocab_size: int):
 
         raise SpmdError(f"model.name = {cfg.name!r} is not a model type transformers knows "
                         f"(e.g. {', '.join(sorted(CONFIG_MAPPING.keys())[:12])}, ...; or 'seed')") from None
+    for key, value in list(config.to_dict().items()):  # every dropout of the architecture
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, cfg.dropout)
     if hasattr(config, "n_inner"):  # GPT-2 family names its MLP size differently
         config.n_inner = cfg.intermediate_size
     if hasattr(config, "head_dim") and cfg.name not in ("gpt2",):
@@ -72,7 +74,8 @@ def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     if cfg.name == "seed":
         with ctx:
             model = DecoderModel(vocab_size=vocab_size, dim=cfg.dim, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-                                 intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len)
+                                 intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len,
+                                 dropout=cfg.dropout)
         return model, {"kind": "seed", "positions": cfg.max_seq_len, "config": None}
     config = _hf_config(cfg, vocab_size)
     from transformers import AutoModelForCausalLM
