@@ -35,13 +35,9 @@ def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
 
 
 def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise SpmdError(f"torchspmd run: --nproc {text!r} is not a number") from None
-    if n < 1:
-        raise SpmdError(f"torchspmd run: --nproc {n}: need at least one process")
-    return n
+    from torchspmd.runtime import _parse_count
+
+    return _parse_count(text, "torchspmd run --nproc")
 
 
 def cmd_run(argv: list[str]) -> int:
