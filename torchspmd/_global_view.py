@@ -20,8 +20,9 @@ Two things, installed once by ``use_spmd()``:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,21 @@ def _uneven(x: DTensor) -> bool:
 _NO_LIFT = {torch.Tensor.__setitem__, torch.Tensor.__getitem__}
 
 _MODE: _ReplicateUnannotated | None = None
+
+
+@contextlib.contextmanager
+def local_region() -> Iterator[None]:
+    """Inside a wrapped module's local compute there are no DTensors to meet: step the
+    lifting mode aside (when it is the innermost mode) so that no operation pays for it."""
+    if _MODE is not None and torch._C._len_torch_function_stack() > 0 and \
+            torch.overrides._get_current_function_mode() is _MODE:
+        mode = torch._C._pop_torch_function_stack()
+        try:
+            yield
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
+    else:
+        yield
 
 
 def install() -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchspmd import runtime
+from torchspmd import _global_view, runtime
 from torchspmd._boundary import (
     BatchLayout,
     inputs_to_local,
@@ -191,7 +191,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, self._mesh.device_mesh, self._data_dims, "FSDPv2")
-        output = self._orig_module(*args, **kwargs)
+        with _global_view.local_region():
+            output = self._orig_module(*args, **kwargs)
         if self._fp32_outputs:
             from torchspmd._boundary import _map
 
