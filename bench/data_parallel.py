@@ -16,10 +16,9 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from _common import run_worker, timed_steps
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(vocab_size=3200, dim=256, num_layers=4, num_heads=4, intermediate_size=1024, max_seq_len=64)
@@ -37,7 +36,6 @@ def _batches(steps: int):
 def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from torchspmd.models import DecoderModel
 
@@ -67,17 +65,7 @@ def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("data", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
-    for step, (x, y) in enumerate(loader):
-        t0 = time.perf_counter()
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, MODEL["vocab_size"]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss.item()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_steps(model, opt, loader, MODEL["vocab_size"], warmup)
     if rank == 0:
         Path(result).write_text(json.dumps({
             "strategy": strategy,
@@ -99,18 +87,9 @@ def main() -> None:
     rows = []
     cores = os.cpu_count() or 1
     for strategy in ["single", "ddp", "replicate", "pattern1"]:
-        result = HERE / "results" / f".{strategy}.json"
-        cmd = [sys.executable, __file__, "--worker", strategy, "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--result", str(result)]
-        env = dict(os.environ)
-        if strategy == "single":
-            env["OMP_NUM_THREADS"] = str(cores)
-        else:
-            env["OMP_NUM_THREADS"] = str(max(1, cores // args.nproc))
-            cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(args.nproc), *cmd[1:]]
-        subprocess.run(cmd, check=True, env=env)
-        rows.append(json.loads(result.read_text()))
-        result.unlink()
+        rows.append(run_worker(__file__, ["--worker", strategy, "--steps", str(args.steps), "--warmup",
+                                          str(args.warmup)], 1 if strategy == "single" else args.nproc,
+                               HERE / "results" / f".{strategy}.json"))
     base = next(r for r in rows if r["strategy"] == "ddp")["tokens_per_s"]
     lines = [
         "# Data parallelism: tokens/s and memory",

@@ -17,10 +17,9 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from _common import run_worker, timed_steps
 
 HERE = Path(__file__).resolve().parent
 SIZES = {
@@ -47,7 +46,6 @@ def _state_bytes(model, opt) -> int:
 def worker(strategy: str, size: str, steps: int, warmup: int, result: str) -> None:
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from torchspmd.models import DecoderLayer, DecoderModel
 
@@ -89,17 +87,7 @@ def worker(strategy: str, size: str, steps: int, warmup: int, result: str) -> No
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
-    for step, (x, y) in enumerate(loader):
-        t0 = time.perf_counter()
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, cfg["vocab_size"]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        loss.item()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_steps(model, opt, loader, cfg["vocab_size"], warmup)
     if rank == 0:
         Path(result).write_text(json.dumps({
             "strategy": strategy,
@@ -124,19 +112,10 @@ def main() -> None:
     runs = [("single", 1)] + [(s, n) for n in args.nproc for s in ("ddp", "fsdp2", "fsdpv2")]
     rows = []
     for strategy, nproc in runs:
-        result = HERE / "results" / f".{strategy}{nproc}.json"
-        cmd = [__file__, "--worker", strategy, "--size", args.size, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--result", str(result)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)))
-        if nproc == 1:
-            cmd = [sys.executable, *cmd]
-        else:
-            cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), *cmd]
-        subprocess.run(cmd, check=True, env=env)
-        row = json.loads(result.read_text())
+        row = run_worker(__file__, ["--worker", strategy, "--size", args.size, "--steps", str(args.steps),
+                                    "--warmup", str(args.warmup)], nproc, HERE / "results" / f".{strategy}{nproc}.json")
         row["nproc"] = nproc
         rows.append(row)
-        result.unlink()
     names = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2"}
     lines = [
         "# FSDP: tokens/s and memory per process",

@@ -114,6 +114,7 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
     assert (tmp_path / "checkpoints" / ".step-00000008.tmp").exists()  # the broken one is set aside
     r = train(tmp_path, "--optim.max_steps", "8", "--checkpoint.every", "4")
     assert "resumed from" in r.stdout and "step-00000004" in r.stdout
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000008"
 
 
 def test_export_round_trip(tmp_path):
@@ -139,8 +140,8 @@ def test_export_round_trip(tmp_path):
 
 
 def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):
-    r = train(tmp_path / "seed", "--model.name", "seed", "--optim.max_steps", "4", "--checkpoint.every", "4",
-              "--optim.grad_accum", "2", "--model.meta_init", "true", "--precision.checkpointing", "true")
+    train(tmp_path / "seed", "--model.name", "seed", "--optim.max_steps", "4", "--checkpoint.every", "4",
+          "--optim.grad_accum", "2", "--model.meta_init", "true", "--precision.checkpointing", "true")
     got = losses(tmp_path / "seed")
     assert len(got) == 4 and all(v == v for v in got.values()) and got[1] < 6.0  # ~ln(257) at the start
 

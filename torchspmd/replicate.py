@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel

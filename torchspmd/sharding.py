@@ -15,7 +15,7 @@ divide evenly is split like ``torch.chunk``: every device but the last ones gets
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Tuple, Union
+from typing import Any, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor

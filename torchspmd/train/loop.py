@@ -211,10 +211,10 @@ def run(cfg: TrainConfig) -> dict:
     import functools
 
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(model))
-    wrapper = None
-    if cfg.precision.checkpointing:
-        def wrapper(m, *a, **k):
-            return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
+    def checkpointed(m, *a, **k):
+        return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
+
+    wrapper = checkpointed if cfg.precision.checkpointing else None
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
                       extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None)
     if cfg.model.meta_init:

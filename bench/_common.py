@@ -1,0 +1,43 @@
+"""What the benchmarks share: the timed training loop and starting a worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
+    """Train on every batch of ``loader``; return the seconds of each step after ``warmup``."""
+    import torch.nn.functional as F
+
+    times = []
+    for step, (x, y) in enumerate(loader):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss.item()  # wait for the step to finish
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
+    """Run ``script --worker ...`` in ``nproc`` processes (``torchspmd run``; one plain process
+    for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``."""
+    cores = os.cpu_count() or 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)))
+    cmd = [script, *args, "--result", str(result)]
+    if nproc == 1:
+        cmd = [sys.executable, *cmd]
+    else:
+        cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), *cmd]
+    subprocess.run(cmd, check=True, env=env)
+    row = json.loads(result.read_text())
+    result.unlink()
+    return row
