@@ -218,7 +218,6 @@ def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
         prog=prog,
         description="Pretrain or fine-tune a decoder language model with FSDPv2 on every local device. "
                     "Settings come from a preset, then a TOML file, then these flags.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--config", help="TOML file with top-level keys and [model], [data], ... tables")
     p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
