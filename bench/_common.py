@@ -27,6 +27,19 @@ def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
     return times
 
 
+def write_result(result: str, strategy: str, tokens_per_step: int, times: list[float], **extra) -> None:
+    """Rank 0's measurements: median tokens/s, this process's peak RSS, and ``extra``."""
+    import resource
+    import statistics
+
+    Path(result).write_text(json.dumps({
+        "strategy": strategy,
+        "tokens_per_s": tokens_per_step / statistics.median(times),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        **extra,
+    }))
+
+
 def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
     """Run ``script --worker ...`` in ``nproc`` processes (``torchspmd run``; one plain process
     for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``."""

@@ -14,11 +14,9 @@ import argparse
 import json
 import os
 import platform
-import resource
-import statistics
 from pathlib import Path
 
-from _common import run_worker, timed_steps
+from _common import run_worker, timed_steps, write_result
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(vocab_size=3200, dim=256, num_layers=4, num_heads=4, intermediate_size=1024, max_seq_len=64)
@@ -67,11 +65,7 @@ def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     times = timed_steps(model, opt, loader, MODEL["vocab_size"], warmup)
     if rank == 0:
-        Path(result).write_text(json.dumps({
-            "strategy": strategy,
-            "tokens_per_s": BATCH * SEQ / statistics.median(times),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        }))
+        write_result(result, strategy, BATCH * SEQ, times)
 
 
 def main() -> None:

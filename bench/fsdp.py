@@ -15,11 +15,9 @@ import argparse
 import json
 import os
 import platform
-import resource
-import statistics
 from pathlib import Path
 
-from _common import run_worker, timed_steps
+from _common import run_worker, timed_steps, write_result
 
 HERE = Path(__file__).resolve().parent
 SIZES = {
@@ -89,12 +87,7 @@ def worker(strategy: str, size: str, steps: int, warmup: int, result: str) -> No
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     times = timed_steps(model, opt, loader, cfg["vocab_size"], warmup)
     if rank == 0:
-        Path(result).write_text(json.dumps({
-            "strategy": strategy,
-            "tokens_per_s": BATCH * SEQ / statistics.median(times),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "state_gb": _state_bytes(model, opt) / 2**30,
-        }))
+        write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30)
 
 
 def main() -> None:

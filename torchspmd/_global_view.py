@@ -102,19 +102,29 @@ _NO_LIFT = {torch.Tensor.__setitem__, torch.Tensor.__getitem__}
 _MODE: _ReplicateUnannotated | None = None
 
 
-@contextlib.contextmanager
-def local_region() -> Iterator[None]:
-    """Inside a wrapped module's local compute there are no DTensors to meet: step the
-    lifting mode aside (when it is the innermost mode) so that no operation pays for it."""
+def suspend():
+    """Step the lifting mode aside while it is the innermost mode; return what ``resume``
+    needs to put it back (None when nothing was stepped aside)."""
     if _MODE is not None and torch._C._len_torch_function_stack() > 0 and \
             torch.overrides._get_current_function_mode() is _MODE:
-        mode = torch._C._pop_torch_function_stack()
-        try:
-            yield
-        finally:
-            torch._C._push_on_torch_function_stack(mode)
-    else:
+        return torch._C._pop_torch_function_stack()
+    return None
+
+
+def resume(token) -> None:
+    if token is not None:
+        torch._C._push_on_torch_function_stack(token)
+
+
+@contextlib.contextmanager
+def local_region() -> Iterator[None]:
+    """Inside a wrapped module's local compute there are no DTensors to meet: no operation
+    there should pay for the lifting mode."""
+    token = suspend()
+    try:
         yield
+    finally:
+        resume(token)
 
 
 def install() -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchspmd import runtime
+from torchspmd import _global_view, runtime
 from torchspmd._boundary import inputs_to_local, outputs_to_global
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh, get_1d_mesh, get_global_mesh
@@ -43,11 +43,17 @@ class _ReplicateState:
         self.data_dims = data_dims
         self.shard_output = shard_output
         self.layout = None
+        self.suspended = None
 
     def pre(self, module, args, kwargs):
         args, kwargs, self.layout = inputs_to_local(args, kwargs, self.dmesh, self.data_dims, "replicate")
+        self.suspended = _global_view.suspend()  # local compute: no lifting needed (see _global_view)
         DistributedDataParallel._active_ddp_module = self.ddp
         return self.ddp._pre_forward(*args, **kwargs)
+
+    def leave_local(self, module, args, kwargs, output):
+        _global_view.resume(self.suspended)
+        self.suspended = None
 
     def post(self, module, args, kwargs, output):
         DistributedDataParallel._active_ddp_module = None
@@ -95,5 +101,6 @@ def replicate(
     state = _ReplicateState(module, mesh, dims, shard_output, ddp_kwargs)
     module._torchspmd_replicate = state
     module.register_forward_pre_hook(state.pre, with_kwargs=True)
+    module.register_forward_hook(state.leave_local, with_kwargs=True, always_call=True)
     module.register_forward_hook(state.post, with_kwargs=True)
     return module
