@@ -43,6 +43,7 @@ from torchspmd.fsdp import (
     clip_grad_norm_,
     full_state_dict,
     lambda_auto_wrap_policy,
+    load_full_state_dict,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "checkpoint_module",
     "clip_grad_norm_",
     "full_state_dict",
+    "load_full_state_dict",
     "always_wrap_policy",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",

@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import queue
 import threading
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
@@ -25,7 +26,7 @@ from torchspmd.mesh import Mesh
 from torchspmd._chunks import block_of, chunk as _chunk, contiguous_stride as _contiguous_stride
 from torchspmd.sharding import ShardingSpec, _coord_of
 
-__all__ = ["MpDeviceLoader"]
+__all__ = ["MpDeviceLoader", "shard_batch"]
 
 _END = object()
 
@@ -38,7 +39,8 @@ class _Error:
 class _Layout:
     """How the batch's tensors are laid out: per-key specs and the axes splitting rows."""
 
-    def __init__(self, input_sharding: Any):
+    def __init__(self, input_sharding: Any, who: str = "MpDeviceLoader"):
+        self.who = who
         self.sharding = input_sharding
         specs = (
             list(input_sharding.values())
@@ -102,7 +104,7 @@ class _Layout:
                 names = tuple(self.mesh.axis_label(a) for a in axes)
                 k = self.row_shards
                 raise SpmdError(
-                    f"MpDeviceLoader: {where} has {n} rows on dim 0, which cannot be split over the "
+                    f"{self.who}: {where} has {n} rows on dim 0, which cannot be split over the "
                     f"{k} devices of mesh axes {names}: split like torch.chunk (pieces of "
                     f"ceil(rows/devices) per axis), the device at {names} = {idx} would get no row. "
                     f"Use a global batch size divisible by {k}, or drop the odd last batch "
@@ -131,8 +133,8 @@ class _Layout:
 def _map_batch(batch: Any, fn, key=None) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(key, batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _map_batch(v, fn, k)) for k, v in batch.items())
+    if isinstance(batch, Mapping):  # dicts, transformers' BatchEncoding
+        return type(batch)({k: _map_batch(v, fn, k) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_map_batch(v, fn, key) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -338,55 +340,75 @@ class _Iterator:
         return sizes[0] if sizes else None
 
     def _shard(self, batch, n: int):
-        layout = self.layout
-        device = self.owner._device
         global_rows = self.slicer.global_sizes.popleft() if self.slicer is not None else None
-        if isinstance(layout.sharding, dict):
-            if not isinstance(batch, dict):
-                raise ValueError(
-                    f"MpDeviceLoader: input_sharding is a dict (keys {sorted(layout.sharding)}) but the "
-                    f"batch is a {type(batch).__name__}; yield dict batches or pass one ShardingSpec"
-                )
-            for k, v in batch.items():
-                if isinstance(v, torch.Tensor) and k not in layout.sharding:
-                    raise KeyError(
-                        f"MpDeviceLoader: batch key {k!r} has no entry in input_sharding "
-                        f"(keys {sorted(layout.sharding)}); add a ShardingSpec for it"
-                    )
+        return _shard_batch(batch, self.layout, self.owner._device, n, global_rows)
 
-        def convert(key, t: torch.Tensor):
-            if layout.mesh is None:
-                return t.to(device, non_blocking=True)
-            spec = layout.spec_for(key, t)
-            placements = layout.placements_for(spec, t)
-            if layout.minibatch and t.dim() > 0:
-                # Each process yielded its own rows; every process yields parts of one size.
-                gshape = (t.shape[0] * layout.row_shards, *t.shape[1:])
-                read_start = 0
-            elif global_rows is not None and t.dim() > 0:
-                gshape = (global_rows, *t.shape[1:])
-                read_start, _ = layout.rows_of_this_rank(global_rows)
-            else:
-                gshape = tuple(t.shape)
-                read_start = None
-                if t.dim() > 0 and any(p.is_shard(0) for p in placements):
-                    layout.check_rows(t.shape[0], f"batch {n} (tensor {key!r})" if key else f"batch {n}")
-            block = block_of(gshape, layout.mesh.mesh_shape, placements, layout.coord)
-            local = t
-            for d, (start, length) in enumerate(block):
-                if d == 0 and read_start is not None:
-                    if local.shape[0] != length:
-                        raise SpmdError(
-                            f"MpDeviceLoader: tensor {key!r} of batch {n} has {local.shape[0]} rows for this "
-                            f"process, expected {length}: every tensor of a batch must have the batch on dim 0"
-                        )
-                    continue
-                if length != local.shape[d]:
-                    local = local.narrow(d, start, length)
-            local = local.contiguous().to(device, non_blocking=True)
-            return DTensor.from_local(
-                local, layout.dmesh, placements, run_check=False, shape=torch.Size(gshape),
-                stride=_contiguous_stride(gshape),
+
+def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_rows: int | None):
+    """Batch ``n`` as global DTensors. ``global_rows``: the batch holds only this
+    process's rows of a batch of that many; None: it holds the whole batch."""
+    if isinstance(layout.sharding, dict):
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"MpDeviceLoader: input_sharding is a dict (keys {sorted(layout.sharding)}) but the "
+                f"batch is a {type(batch).__name__}; yield dict batches or pass one ShardingSpec"
             )
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and k not in layout.sharding:
+                raise KeyError(
+                    f"MpDeviceLoader: batch key {k!r} has no entry in input_sharding "
+                    f"(keys {sorted(layout.sharding)}); add a ShardingSpec for it"
+                )
 
-        return _map_batch(batch, convert)
+    def convert(key, t: torch.Tensor):
+        if layout.mesh is None:
+            return t.to(device, non_blocking=True)
+        spec = layout.spec_for(key, t)
+        placements = layout.placements_for(spec, t)
+        if layout.minibatch and t.dim() > 0:
+            # Each process yielded its own rows; every process yields parts of one size.
+            gshape = (t.shape[0] * layout.row_shards, *t.shape[1:])
+            read_start = 0
+        elif global_rows is not None and t.dim() > 0:
+            gshape = (global_rows, *t.shape[1:])
+            read_start, _ = layout.rows_of_this_rank(global_rows)
+        else:
+            gshape = tuple(t.shape)
+            read_start = None
+            if t.dim() > 0 and any(p.is_shard(0) for p in placements):
+                layout.check_rows(t.shape[0], f"batch {n} (tensor {key!r})" if key else f"batch {n}")
+        block = block_of(gshape, layout.mesh.mesh_shape, placements, layout.coord)
+        local = t
+        for d, (start, length) in enumerate(block):
+            if d == 0 and read_start is not None:
+                if local.shape[0] != length:
+                    raise SpmdError(
+                        f"MpDeviceLoader: tensor {key!r} of batch {n} has {local.shape[0]} rows for this "
+                        f"process, expected {length}: every tensor of a batch must have the batch on dim 0"
+                    )
+                continue
+            if length != local.shape[d]:
+                local = local.narrow(d, start, length)
+        local = local.contiguous().to(device, non_blocking=True)
+        return DTensor.from_local(
+            local, layout.dmesh, placements, run_check=False, shape=torch.Size(gshape),
+            stride=_contiguous_stride(gshape),
+        )
+
+    return _map_batch(batch, convert)
+
+
+def shard_batch(batch: Any, input_sharding: ShardingSpec | dict, device=None) -> Any:
+    """A whole global batch that every process holds alike (read and collated by each),
+    as global DTensors laid out by ``input_sharding`` (as ``MpDeviceLoader``'s): each
+    process keeps its own block. Nothing is communicated. For collators whose output
+    depends on the whole batch (padding to its longest row), where each process cannot
+    collate only its rows."""
+    runtime._require_spmd("shard_batch")
+    layout = _Layout(input_sharding, who="shard_batch")
+    if layout.mesh is None:
+        raise SpmdError("shard_batch(input_sharding=...): give a ShardingSpec or a dict of them")
+    if layout.minibatch:
+        raise SpmdError("shard_batch(input_sharding=...): minibatch=True specs describe per-process parts; "
+                        "shard_batch takes the whole batch")
+    return _shard_batch(batch, layout, torch.device(device) if device is not None else runtime.device(), 0, None)

@@ -2,7 +2,7 @@
 
 from torchspmd.fsdp.checkpoint import checkpoint_module
 from torchspmd.fsdp.fsdpv2 import FSDPv2, SpmdFullyShardedDataParallel
-from torchspmd.fsdp.utils import clip_grad_norm_, full_state_dict
+from torchspmd.fsdp.utils import clip_grad_norm_, full_state_dict, load_full_state_dict
 from torchspmd.fsdp.wrap import (
     always_wrap_policy,
     lambda_auto_wrap_policy,
@@ -17,6 +17,7 @@ __all__ = [
     "checkpoint_module",
     "clip_grad_norm_",
     "full_state_dict",
+    "load_full_state_dict",
     "always_wrap_policy",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",

@@ -13,6 +13,7 @@ divides by the global batch, so FSDP2 reduces with a sum (never an average).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Any, Callable, Iterator
@@ -202,6 +203,17 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 returned = self._shard_output(output, self._mesh)
             return returned if returned is not None else replace_marked(output, marked)
         return _default_shard_output(output, layout)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication (as DDP's ``no_sync``): inside,
+        backward keeps whole gradients on every process; the first backward after it
+        reduces the accumulated sum."""
+        self._orig_module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._orig_module.set_requires_gradient_sync(True)
 
     # -- clean names: the unwrapped module's keys ------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

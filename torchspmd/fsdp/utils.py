@@ -7,9 +7,11 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["clip_grad_norm_", "full_state_dict"]
+from torchspmd._errors import SpmdError
+
+__all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
 
 
 def _params(model_or_params) -> list[torch.Tensor]:
@@ -63,3 +65,58 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = Tr
             value = value.detach()
             out[key] = value.cpu() if cpu else value.clone()
     return out
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters: each extra name of a shared parameter -> its first name."""
+    from torchspmd.fsdp.fsdpv2 import _clean
+
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = _clean(name)
+        if id(p) in first and first[id(p)] != name:
+            out[name] = first[id(p)]
+        else:
+            first.setdefault(id(p), name)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> list[str]:
+    """Load whole (unsharded) tensors into a sharded model: the counterpart of
+    ``full_state_dict``. Every process passes the same values (read from the same file);
+    each keeps its own block, so nothing is communicated. A tied parameter may be given
+    under either of its names. Returns the model's keys that got no value (an error with
+    ``strict``)."""
+    aliases = _aliases(model)
+    current = model.state_dict()
+    new: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for key, cur in current.items():
+        src = state_dict.get(key)
+        if src is None and key in aliases:
+            src = state_dict.get(aliases[key])
+        if src is None:
+            for other, first in aliases.items():
+                if first == key and other in state_dict:
+                    src = state_dict[other]
+        if src is None:
+            missing.append(key)
+            continue
+        if tuple(src.shape) != tuple(cur.shape):
+            raise SpmdError(f"load_full_state_dict: {key!r} has shape {tuple(src.shape)} in the state dict and "
+                            f"{tuple(cur.shape)} in the model; it comes from a model of another shape")
+        local_device = cur.to_local().device if isinstance(cur, DTensor) else cur.device
+        src = src.to(device=local_device, dtype=cur.dtype)
+        if isinstance(cur, DTensor):
+            src = distribute_tensor(src, cur.device_mesh, cur.placements, src_data_rank=None)
+        new[key] = src
+    if strict and missing:
+        raise SpmdError(f"load_full_state_dict: no value for {missing[0]!r} ({len(missing)} keys missing); "
+                        f"pass strict=False to keep the model's own values for them")
+    unexpected = sorted(set(state_dict) - set(current) - set(aliases))
+    if strict and unexpected:
+        raise SpmdError(f"load_full_state_dict: the state dict has {unexpected[0]!r}, which this model lacks")
+    model.load_state_dict(new, strict=False)
+    return missing

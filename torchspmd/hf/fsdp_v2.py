@@ -22,11 +22,13 @@ from torchspmd._errors import SpmdError
 __all__ = ["use_fsdp_v2", "get_fsdp_config", "get_fsdp_training_args", "find_layer_classes"]
 
 
-def use_fsdp_v2() -> None:
-    """Turn SPMD mode on (``torchspmd.use_spmd()``), as optimum-tpu's does on TPU."""
+def use_fsdp_v2(**use_spmd_kwargs: Any) -> None:
+    """Turn SPMD mode on (``torchspmd.use_spmd(**use_spmd_kwargs)``), as optimum-tpu's does
+    on TPU. Call it first: with several devices the program is started again, once per
+    device, from the top (as ``use_spmd`` does)."""
     import torchspmd as ts
 
-    ts.use_spmd()
+    ts.use_spmd(**use_spmd_kwargs)
 
 
 def get_fsdp_config(*cls_to_wrap: str) -> dict[str, Any]:

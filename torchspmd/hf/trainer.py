@@ -1,0 +1,488 @@
+"""transformers' ``Trainer`` (and trl's ``SFTTrainer``) on torchspmd FSDPv2.
+
+    from torchspmd.hf import fsdp_v2, Trainer      # instead of: from transformers import Trainer
+    fsdp_v2.use_fsdp_v2()
+    args = TrainingArguments(..., **fsdp_v2.get_fsdp_training_args(model))
+    Trainer(model=model, args=args, train_dataset=ds).train()
+
+Given the FSDPv2 arguments (``fsdp_config['xla_fsdp_v2']``) on the native engine, the
+trainer runs the SPMD program torch_xla runs on a TPU host, over all the processes:
+
+- the model is wrapped in ``SpmdFullyShardedDataParallel`` over the mesh's ``'fsdp'``
+  axis (the global mesh, else ``(n, 1)`` with axes ``('fsdp', 'tensor')``), one unit per
+  ``transformer_layer_cls_to_wrap`` layer (or by ``min_num_params``); parameters,
+  gradients and optimizer state are split over the devices; ``xla_fsdp_grad_ckpt`` adds
+  ``checkpoint_module`` to each wrapped layer and turns ``use_cache`` off; ``bf16=True``
+  computes in bf16 over fp32 shards with fp32 gradient reduction;
+- ``per_device_train_batch_size`` is the global batch of one step (torch_xla's SPMD
+  meaning: the batch of the one program, split over the devices): every process reads
+  and collates the whole batch (so that dynamic padding agrees) and keeps its rows;
+  a last batch with fewer rows than devices is dropped, other uneven batches are split
+  unevenly, so ``dataloader_drop_last`` is not needed;
+- the causal-LM loss is computed from the global logits: the exact single-device loss,
+  also with unevenly padded labels and gradient accumulation;
+- ``save_model`` and checkpoints write a normal Hugging Face directory (safetensors,
+  clean keys; a PEFT model saves its adapter), plus the optimizer state sharded with
+  ``torch.distributed.checkpoint`` under ``optimizer/``; ``train(resume_from_checkpoint=...)``
+  resumes from it on any number of devices.
+
+Without those arguments, or on the XLA backend (torch_xla's own FSDPv2 path), the
+classes are transformers' and trl's unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+import transformers
+from transformers.trainer_pt_utils import get_module_class_from_name
+
+from torchspmd import runtime
+from torchspmd._errors import SpmdError
+
+__all__ = ["Trainer", "SFTTrainer"]  # SFTTrainer: made on first use (needs trl)
+
+OPTIMIZER_DIR = "optimizer"
+SCHEDULER_NAME = "scheduler.pt"
+IGNORE_INDEX = -100
+
+
+# -- data ------------------------------------------------------------------------------
+class _EpochRandomSampler(RandomSampler):
+    """A random order drawn from ``seed + epoch`` (as accelerate's seedable sampler): the
+    same on every process, and the same as a single-process Trainer's."""
+
+    def __init__(self, data_source, seed: int):
+        super().__init__(data_source, generator=torch.Generator())
+        self.initial_seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+        self.epoch += 1
+
+
+class _GlobalBatches(BatchSampler):
+    """Global batches of indices; a last batch too small to give every device a row is
+    dropped (that is the only batch ``drop_last=False`` would keep and SPMD cannot split)."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, devices: int):
+        super().__init__(sampler, batch_size, drop_last)
+        self.devices = devices
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if _splittable(len(batch), self.devices):
+                yield batch
+            else:
+                warnings.warn(f"torchspmd.hf.Trainer: the last batch of {len(batch)} rows can't give each of the "
+                              f"{self.devices} devices a row; it is left out")
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        full, rest = divmod(n, self.batch_size)
+        return full + (1 if (rest and not self.drop_last and _splittable(rest, self.devices)) else 0)
+
+
+def _splittable(rows: int, devices: int) -> bool:
+    """Whether every device gets a row when ``rows`` are split like ``torch.chunk``."""
+    from torchspmd._chunks import chunk
+
+    return rows > 0 and chunk(rows, devices, devices - 1)[1] > 0
+
+
+class _GlobalLoader(DataLoader):
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+# -- helpers ---------------------------------------------------------------------------
+def _plain(obj: Any) -> Any:
+    """DTensors (global values) as whole plain tensors."""
+    from torchspmd._boundary import _map
+
+    return _map(obj, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    from torchspmd.hf.fsdp_v2 import _unwrap
+
+    return _unwrap(model)
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+                    num_items_in_batch: Any) -> torch.Tensor:
+    """transformers' causal-LM loss (``ForCausalLMLoss``) on global tensors, without
+    flattening the batch: the sum of token losses over the labelled positions, divided by
+    ``num_items_in_batch`` when given, else by their count."""
+    if shift_labels is None:
+        logits = logits[:, :-1, :]
+        shift_labels = labels[:, 1:]
+    per_row = logits.float().transpose(1, 2)  # (batch, vocab, positions)
+    total = F.cross_entropy(per_row, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_items_in_batch is None:
+        count = (shift_labels != IGNORE_INDEX).sum()
+        return total / count
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.item()
+    return total / num_items_in_batch
+
+
+def _gather_global(data: Any, *args, **kwargs) -> Any:
+    """Every process holds the global values: nothing to gather across processes."""
+    return _plain(data)
+
+
+# -- the trainer -------------------------------------------------------------------------
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` training with torchspmd FSDPv2 when the training arguments
+    carry the FSDPv2 config (``get_fsdp_training_args``); see the module's docstring."""
+
+    def __init__(self, model=None, args=None, *pargs, **kwargs):
+        config = self._spmd_config(args)
+        self._spmd = config is not None
+        if self._spmd:
+            if kwargs.get("model_init") is not None:
+                raise SpmdError("Trainer(model_init=...): not supported with FSDPv2; pass the model itself")
+            optimizers = kwargs.get("optimizers") or (None, None)
+            if optimizers[0] is not None or optimizers[1] is not None:
+                raise SpmdError(
+                    "Trainer(optimizers=...): FSDPv2 replaces the model's parameters by their shards, so an "
+                    "optimizer made before can't be used; pass optimizer_cls_and_kwargs=(cls, kwargs), or "
+                    "subclass and override create_optimizer"
+                )
+            if args.fp16:
+                raise SpmdError("TrainingArguments(fp16=True): not supported with FSDPv2 here (no loss scaling); "
+                                "use bf16=True")
+            args = copy.copy(args)
+            # transformers would take these for its torch_xla path; torchspmd does the sharding.
+            args.fsdp = False
+            args.fsdp_config = {**args.fsdp_config, "xla": False, "xla_fsdp_v2": False}
+            # Counts are global already: averaging over processes would count each token n times.
+            args.average_tokens_across_devices = False
+            if config.get("xla_fsdp_grad_ckpt") and args.gradient_checkpointing:
+                args.gradient_checkpointing = False  # checkpoint_module does it, once per layer
+            self._spmd_fsdp_config = config
+        super().__init__(model, args, *pargs, **kwargs)
+        if self._spmd:
+            self._spmd_wrap()
+
+    # -- set-up --------------------------------------------------------------------
+    @staticmethod
+    def _spmd_config(args) -> dict | None:
+        cfg = getattr(args, "fsdp_config", None) or {}
+        if not (getattr(args, "fsdp", None) and cfg.get("xla_fsdp_v2")):
+            return None
+        if not runtime.is_spmd():
+            raise SpmdError(
+                "torchspmd.hf.Trainer: the training arguments ask for FSDPv2 but SPMD mode is off; call "
+                "torchspmd.hf.fsdp_v2.use_fsdp_v2() (or torchspmd.use_spmd()) at the start of the program, "
+                "before building TrainingArguments"
+            )
+        if runtime.backend() == "xla":
+            return None  # transformers' own torch_xla FSDPv2 path
+        return dict(cfg)
+
+    def _spmd_wrap(self) -> None:
+        import torchspmd as ts
+        from torchspmd.fsdp import (
+            FSDPv2,
+            checkpoint_module,
+            size_based_auto_wrap_policy,
+            transformer_auto_wrap_policy,
+        )
+
+        cfg = self._spmd_fsdp_config
+        mesh = ts.get_global_mesh()
+        if mesh is None:
+            n = ts.global_runtime_device_count()
+            mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
+            ts.set_global_mesh(mesh)
+        self._spmd_mesh = mesh
+        model = self.model
+        policy = None
+        names = cfg.get("transformer_layer_cls_to_wrap") or []
+        if isinstance(names, str):
+            names = [names]
+        if names:
+            classes = set()
+            for name in names:
+                cls = get_module_class_from_name(model, name)
+                if cls is None:
+                    raise SpmdError(
+                        f"fsdp_config['transformer_layer_cls_to_wrap']: no module of class {name!r} in "
+                        f"{type(model).__name__}; see torchspmd.hf.fsdp_v2.find_layer_classes(model)"
+                    )
+                classes.add(cls)
+
+            def by_class(module, recurse, unwrapped_params, _classes=frozenset(classes)):
+                return transformer_auto_wrap_policy(module, recurse, unwrapped_params, _classes)
+            policy = by_class
+        elif cfg.get("min_num_params", 0) > 0:
+            def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
+                return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
+            policy = by_size
+        wrapper = None
+        if cfg.get("xla_fsdp_grad_ckpt"):
+            config = getattr(_unwrap_peft(model), "config", None)
+            if config is not None and getattr(config, "use_cache", False):
+                config.use_cache = False  # as transformers: the cache and recomputation don't mix
+
+            def checkpointed(module, *a, **k):
+                return FSDPv2(checkpoint_module(module), *a, **k)
+            wrapper = checkpointed
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        # (named before fully_shard renames the class)
+        self._spmd_causal_lm = type(_unwrap_peft(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        if not self._spmd_causal_lm:
+            # The model's own loss is then a mean over this process's rows, made global as the
+            # row-weighted mean: it must not be a sum divided by a global token count.
+            self.model_accepts_loss_kwargs = False
+        self.model_wrapped = FSDPv2(
+            model, mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
+            mixed_precision="bf16" if self.args.bf16 else None,
+        )
+        self._spmd_rows = mesh.mesh_shape[mesh.axis_names.index("fsdp")]
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            rows = getattr(self.args, name)
+            if not _splittable(rows, self._spmd_rows):
+                raise SpmdError(
+                    f"TrainingArguments({name}={rows}): under FSDPv2 this is the global batch, split over the "
+                    f"{self._spmd_rows} devices of the 'fsdp' axis like torch.chunk (pieces of "
+                    f"ceil({rows}/{self._spmd_rows})), which leaves a device without a row; use at least "
+                    f"{self._spmd_rows} rows, e.g. a multiple of {self._spmd_rows}"
+                )
+        # Every process holds the global values: gathering them over processes would repeat them.
+        self.accelerator.gather = _gather_global
+        self.accelerator.gather_for_metrics = _gather_global
+        self.gather_function = _gather_global
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self._spmd:
+            return self.model_wrapped
+        return super()._wrap_model(model, training, dataloader)
+
+    # -- data ------------------------------------------------------------------------
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        if not self._spmd:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        import datasets
+
+        collator = self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        args = self.args
+        params: dict[str, Any] = dict(
+            collate_fn=collator, num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+        )
+        if args.dataloader_num_workers > 0:
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+            params["multiprocessing_context"] = args.dataloader_multiprocessing_context
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            # Every process reads the same stream (it must be deterministic) and keeps its rows.
+            return DataLoader(dataset, batch_size=batch_size, drop_last=args.dataloader_drop_last, **params)
+        sampler = sampler_fn(dataset) if sampler_fn is not None else SequentialSampler(dataset)
+        if type(sampler) is RandomSampler:
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            sampler = _EpochRandomSampler(dataset, seed)
+        batches = _GlobalBatches(sampler, batch_size, args.dataloader_drop_last, self._spmd_rows)
+        return _GlobalLoader(dataset, batch_sampler=batches, **params)
+
+    def _prepare_inputs(self, inputs):
+        inputs = super()._prepare_inputs(inputs)
+        if not self._spmd:
+            return inputs
+        from torchspmd import ShardingSpec
+        from torchspmd.data import shard_batch
+
+        # Each process keeps its rows of the global batch, as global DTensors (tensors of
+        # another rank than 2 are split on dim 0 alike).
+        return shard_batch(inputs, ShardingSpec(self._spmd_mesh, ("fsdp", None)), device=self.args.device)
+
+    def get_total_train_batch_size(self, args) -> int:
+        if not self._spmd:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps
+
+    # -- loss and step ---------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if not (self._spmd and self._spmd_causal_lm and "labels" in inputs
+                and self.compute_loss_func is None and self.label_smoother is None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        shift_labels = inputs.pop("shift_labels", None)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        loss = _causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        if isinstance(outputs, dict):
+            outputs["loss"] = loss
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        return _plain(loss) if self._spmd else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return _plain(out) if self._spmd else out
+
+    def _clip_grad_norm(self, model):
+        if not self._spmd:
+            return super()._clip_grad_norm(model)
+        from torchspmd.fsdp import clip_grad_norm_
+
+        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if not self._spmd or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm)
+        from torchspmd.fsdp import clip_grad_norm_
+
+        return clip_grad_norm_(model.parameters(), float("inf"))
+
+    # -- saving and loading -----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._spmd:
+            return super().save_model(output_dir, _internal_call)
+        from torchspmd.fsdp import full_state_dict
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = full_state_dict(self.model_wrapped)  # every process gathers; the first one keeps it
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        dist.barrier()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._spmd:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch.distributed.checkpoint as dcp
+
+        from torchspmd.checkpoint import _optim_state
+
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        dcp.save({"optim": _optim_state(self.model_wrapped, optimizer)},
+                 checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._spmd:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise SpmdError(f"checkpoint {checkpoint}: no optimizer state ({OPTIMIZER_DIR}/.metadata is missing); "
+                            f"it was not written by torchspmd.hf.Trainer, or its save did not finish")
+        import torch.distributed.checkpoint as dcp
+
+        from torchspmd.checkpoint import _ensure_optim_state, _load_optim_state, _optim_state
+
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        _ensure_optim_state(optimizer)
+        state = {"optim": _optim_state(self.model_wrapped, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        _load_optim_state(self.model_wrapped, optimizer, state["optim"])
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._spmd:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from torchspmd.fsdp import load_full_state_dict
+
+        weights = _read_hf_weights(resume_from_checkpoint)
+        if _is_peft(self.model):
+            adapter = getattr(self.model, "active_adapter", "default")
+            adapter = adapter[0] if isinstance(adapter, (list, tuple)) else adapter
+            keys = self.model_wrapped.state_dict().keys()
+            named = {}
+            for key in keys:
+                short = key.replace(f".{adapter}.", ".")
+                if short in weights:
+                    named[key] = weights[short]
+            if not named:
+                raise SpmdError(f"checkpoint {resume_from_checkpoint}: its adapter weights match no parameter "
+                                f"of this model")
+            load_full_state_dict(self.model_wrapped, named, strict=False)
+        else:
+            load_full_state_dict(self.model_wrapped, weights, strict=True)
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face directory: a model (one or sharded safetensors) or a
+    PEFT adapter."""
+    import json
+
+    from safetensors.torch import load_file
+
+    for name in ("adapter_model.safetensors", "model.safetensors"):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return load_file(path)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(os.path.join(directory, f)))
+        return out
+    raise SpmdError(f"checkpoint {directory}: no model.safetensors, sharded safetensors index or "
+                    f"adapter_model.safetensors in it")
+
+
+def _sft_trainer_class():
+    try:
+        import trl
+    except ImportError:
+        return None
+
+    class SFTTrainer(trl.SFTTrainer, Trainer):
+        """trl's ``SFTTrainer`` training with torchspmd FSDPv2 given the FSDPv2 arguments."""
+
+    return SFTTrainer
+
+
+def __getattr__(name: str):
+    if name == "SFTTrainer":
+        cls = _sft_trainer_class()
+        if cls is None:
+            raise ImportError("torchspmd.hf.SFTTrainer needs trl: pip install 'torchspmd[hf]' (or pip install trl)")
+        globals()["SFTTrainer"] = cls
+        return cls
+    raise AttributeError(name)
