@@ -1,7 +1,7 @@
 """FSDPv2: fully sharded data parallelism on the named mesh, on PyTorch FSDP2."""
 
 from torchspmd.fsdp.checkpoint import checkpoint_module
-from torchspmd.fsdp.fsdpv2 import FSDPv2, SpmdFullyShardedDataParallel
+from torchspmd.fsdp.fsdpv2 import FSDPv2, SpmdFullyShardedDataParallel, shard_in_place
 from torchspmd.fsdp.utils import clip_grad_norm_, full_state_dict, load_full_state_dict
 from torchspmd.fsdp.wrap import (
     always_wrap_policy,
@@ -14,6 +14,7 @@ from torchspmd.fsdp.wrap import (
 __all__ = [
     "SpmdFullyShardedDataParallel",
     "FSDPv2",
+    "shard_in_place",
     "checkpoint_module",
     "clip_grad_norm_",
     "full_state_dict",

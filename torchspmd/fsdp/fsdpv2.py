@@ -34,7 +34,7 @@ from torchspmd._errors import SpmdError
 from torchspmd.fsdp.wrap import recursive_wrap
 from torchspmd.mesh import Mesh, get_global_mesh
 
-__all__ = ["SpmdFullyShardedDataParallel", "FSDPv2"]
+__all__ = ["SpmdFullyShardedDataParallel", "FSDPv2", "shard_in_place"]
 
 _PREFIX = "_orig_module."
 _PREFIX_RE = re.compile(r"(^|\.)_orig_module\.")
@@ -153,34 +153,10 @@ class SpmdFullyShardedDataParallel(nn.Module):
         for sub in module.modules():
             if isinstance(sub, SpmdFullyShardedDataParallel):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
-        dmesh = mesh.device_mesh
-        names = [extra_data_axis, "fsdp"] if extra_data_axis else ["fsdp"]
-        names.sort(key=mesh.axis_names.index)
-        self._data_dims = [mesh.axis_names.index(n) for n in names]
-        self._fsdp_mesh = dmesh[tuple(names)] if len(names) > 1 else dmesh["fsdp"]
-        self._shard(module, **options)
+        self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
+        _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
         self._register_state_dict_hook(_strip_prefix_hook)
         self._register_load_state_dict_pre_hook(_add_prefix_hook)
-
-    # -- engine ------------------------------------------------------------------------
-    def _shard(self, module: nn.Module, mixed_precision, reshard_after_forward, cpu_offload) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-
-        managed = {p for m in module.modules() if isinstance(m, FSDPModule) and m is not module for p in m.parameters()}
-        # Parameters the user sharded already (mark_sharding) are left as they are.
-        ignored = {p for p in module.parameters() if isinstance(p, DTensor) and p not in managed}
-        if ignored:
-            _gather_on_use(module, ignored, self._mesh, self._data_dims)
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-        fully_shard(
-            module,
-            mesh=self._fsdp_mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=_mp_policy(mixed_precision),
-            offload_policy=offload,
-            ignored_params=ignored or None,
-        )
-        _sum_reductions(module)
 
     @property
     def module(self) -> nn.Module:
@@ -240,6 +216,53 @@ class SpmdFullyShardedDataParallel(nn.Module):
 
 
 FSDPv2 = SpmdFullyShardedDataParallel
+
+
+def _unit_meshes(mesh: Mesh, extra_data_axis: str | None):
+    """(mesh dims splitting the batch, the DeviceMesh FSDP2 shards over)."""
+    dmesh = mesh.device_mesh
+    names = [extra_data_axis, "fsdp"] if extra_data_axis else ["fsdp"]
+    names.sort(key=mesh.axis_names.index)
+    data_dims = [mesh.axis_names.index(n) for n in names]
+    return data_dims, (dmesh[tuple(names)] if len(names) > 1 else dmesh["fsdp"])
+
+
+def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, mixed_precision,
+                reshard_after_forward, cpu_offload) -> None:
+    """Make ``module`` one FSDP2 unit (in place), summing gradients over the data axes."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    managed = {p for m in module.modules() if isinstance(m, FSDPModule) and m is not module for p in m.parameters()}
+    # Parameters the user sharded already (mark_sharding) are left as they are.
+    ignored = {p for p in module.parameters() if isinstance(p, DTensor) and p not in managed}
+    if ignored:
+        _gather_on_use(module, ignored, mesh, data_dims)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    fully_shard(
+        module,
+        mesh=fsdp_mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=_mp_policy(mixed_precision),
+        offload_policy=offload,
+        ignored_params=ignored or None,
+    )
+    _sum_reductions(module)
+
+
+def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Callable | None = None,
+                   extra_data_axis: str | None = None, *, mixed_precision: Any = None,
+                   reshard_after_forward: bool | int = True, cpu_offload: bool = False) -> nn.Module:
+    """An ``auto_wrapper_callable`` making each auto-wrapped module an FSDPv2 unit without
+    a wrapper module around it: the model keeps its module names (for libraries that
+    walk them, e.g. PEFT's adapter saving). Returns ``module`` itself, sharded. Only
+    inside an FSDPv2 root, which is the global-view boundary."""
+    if mesh is None:
+        mesh = get_global_mesh()
+    if mesh is None or mesh.axis_names is None or "fsdp" not in mesh.axis_names:
+        raise SpmdError("shard_in_place: give the Mesh (with an 'fsdp' axis) the FSDPv2 root uses")
+    data_dims, fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
+    _shard_unit(module, mesh, data_dims, fsdp_mesh, mixed_precision, reshard_after_forward, cpu_offload)
+    return module
 
 
 def _sum_reductions(module: nn.Module) -> None:

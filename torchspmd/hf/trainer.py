@@ -207,6 +207,7 @@ class Trainer(transformers.Trainer):
         from torchspmd.fsdp import (
             FSDPv2,
             checkpoint_module,
+            shard_in_place,
             size_based_auto_wrap_policy,
             transformer_auto_wrap_policy,
         )
@@ -241,15 +242,17 @@ class Trainer(transformers.Trainer):
             def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
                 return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
             policy = by_size
-        wrapper = None
-        if cfg.get("xla_fsdp_grad_ckpt"):
+        # Layers become FSDPv2 units in place (no wrapper module): the model keeps its module
+        # names, which PEFT's adapter saving and transformers' optimizer grouping walk.
+        checkpointing = bool(cfg.get("xla_fsdp_grad_ckpt"))
+        if checkpointing:
             config = getattr(_unwrap_peft(model), "config", None)
             if config is not None and getattr(config, "use_cache", False):
                 config.use_cache = False  # as transformers: the cache and recomputation don't mix
 
-            def checkpointed(module, *a, **k):
-                return FSDPv2(checkpoint_module(module), *a, **k)
-            wrapper = checkpointed
+        def unit(module, *a, **k):
+            return shard_in_place(checkpoint_module(module) if checkpointing else module, *a, **k)
+
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         # (named before fully_shard renames the class)
@@ -259,7 +262,7 @@ class Trainer(transformers.Trainer):
             # row-weighted mean: it must not be a sum divided by a global token count.
             self.model_accepts_loss_kwargs = False
         self.model_wrapped = FSDPv2(
-            model, mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
+            model, mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit,
             mixed_precision="bf16" if self.args.bf16 else None,
         )
         self._spmd_rows = mesh.mesh_shape[mesh.axis_names.index("fsdp")]
@@ -305,7 +308,9 @@ class Trainer(transformers.Trainer):
         if isinstance(dataset, torch.utils.data.IterableDataset):
             # Every process reads the same stream (it must be deterministic) and keeps its rows.
             return DataLoader(dataset, batch_size=batch_size, drop_last=args.dataloader_drop_last, **params)
-        sampler = sampler_fn(dataset) if sampler_fn is not None else SequentialSampler(dataset)
+        sampler = sampler_fn(dataset) if sampler_fn is not None else None
+        if sampler is None:
+            sampler = SequentialSampler(dataset)
         if type(sampler) is RandomSampler:
             seed = args.data_seed if args.data_seed is not None else args.seed
             sampler = _EpochRandomSampler(dataset, seed)
