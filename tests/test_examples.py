@@ -1,5 +1,6 @@
 """Every example runs as is on 2 CPU devices, prints the global loss once, and learns."""
 
+import json
 import os
 import subprocess
 import sys
@@ -42,3 +43,16 @@ def test_checkpointing_by_hand_equals_auto_wrap():
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append([l for l in r.stdout.splitlines() if "Loss:" in l])
     assert outs[0] == outs[1]
+
+
+def test_hf_finetune_example(tmp_path):
+    pytest.importorskip("trl")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["CPU_NUM_DEVICES"] = "2"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_finetune.py"), "--steps", "20",
+                        "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "parameters: DTensor (Shard(dim=0),) over 2 devices" in r.stdout
+    result = json.loads(r.stdout.split("result:")[1].strip().splitlines()[0])
+    assert result["last_loss"] < result["first_loss"] and result["lora_weights"] > 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

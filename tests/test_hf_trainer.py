@@ -83,6 +83,8 @@ def _train_lm(out, sharded):
     trainer.train()
     result = _history(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    pred = trainer.predict(_token_rows(14, 2))
+    result["predictions"] = torch.as_tensor(pred.predictions)
     params = list(trainer.model.parameters())
     result["dtensor"] = all(isinstance(p, DTensor) for p in params)
     result["placements"] = sorted({str(p.placements) for p in params if isinstance(p, DTensor)})
@@ -114,6 +116,7 @@ def test_trainer_shards_and_matches_one_process(dist, tmp_path, lm_oracle, world
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(lm_oracle[key]), rtol=RTOL, atol=1e-6)
         torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(r["predictions"], lm_oracle["predictions"], rtol=RTOL, atol=1e-5)
     assert sum(r["local_numel"] for r in results) == lm_oracle["numel"]
 
 
