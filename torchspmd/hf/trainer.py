@@ -8,8 +8,9 @@
 Given the FSDPv2 arguments (``fsdp_config['xla_fsdp_v2']``) on the native engine, the
 trainer runs the SPMD program torch_xla runs on a TPU host, over all the processes:
 
-- the model is wrapped in ``SpmdFullyShardedDataParallel`` over the mesh's ``'fsdp'``
-  axis (the global mesh, else ``(n, 1)`` with axes ``('fsdp', 'tensor')``), one unit per
+- the model is wrapped in ``SpmdFullyShardedDataParallel`` over the ``'fsdp'`` axis of
+  a ``(devices, 1)`` mesh with axes ``('fsdp', 'tensor')`` (made the global mesh, as
+  transformers does on a TPU), one unit per
   ``transformer_layer_cls_to_wrap`` layer (or by ``min_num_params``); parameters,
   gradients and optimizer state are split over the devices; ``xla_fsdp_grad_ckpt`` adds
   ``checkpoint_module`` to each wrapped layer and turns ``use_cache`` off; ``bf16=True``
@@ -213,11 +214,10 @@ class Trainer(transformers.Trainer):
         )
 
         cfg = self._spmd_fsdp_config
-        mesh = ts.get_global_mesh()
-        if mesh is None:
-            n = ts.global_runtime_device_count()
-            mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
-            ts.set_global_mesh(mesh)
+        # As transformers' torch_xla path: a (devices, 1) mesh, made the global mesh.
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
+        ts.set_global_mesh(mesh)
         self._spmd_mesh = mesh
         model = self.model
         policy = None
