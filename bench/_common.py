@@ -17,7 +17,9 @@ def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
     times = []
     for step, (x, y) in enumerate(loader):
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        out = model(x)
+        logits = out if hasattr(out, "reshape") else out["logits"]  # a transformers model returns an output object
+        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -80,6 +80,12 @@ def _wrap(variant, model, mesh):
         return ts.FSDPv2(model, mesh)
     if variant == "extra_data_axis":
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), extra_data_axis="data")
+    if variant == "native":  # FSDP2's own all-gather and reduce-scatter
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), collectives="native")
+    if variant == "shm":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), collectives="shm")
+    if variant == "allreduce":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), collectives="allreduce")
     if variant == "root_only":
         return ts.FSDPv2(model, mesh=mesh)
     raise ValueError(variant)
@@ -121,7 +127,8 @@ def _train(variant, batch, layers=2, mixed_precision=None):
 
 
 CASES = [
-    ("auto", 2, 4), ("auto", 2, 5), ("auto", 4, 8), ("auto", 4, 7),
+    ("auto", 2, 4), ("auto", 2, 5), ("auto", 4, 8), ("auto", 4, 7), ("auto", 3, 7),
+    ("native", 2, 5), ("native", 3, 7), ("native", 4, 7), ("allreduce", 3, 5), ("shm", 3, 7), ("shm", 4, 7),
     ("checkpoint", 2, 5), ("checkpoint", 4, 8),
     ("shard_output", 2, 4), ("shard_output", 4, 7),
     ("nested", 2, 5), ("nested", 4, 8),

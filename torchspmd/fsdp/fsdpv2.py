@@ -84,6 +84,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
             reduction), a dtype, or a ``MixedPrecisionPolicy``.
         reshard_after_forward: free gathered parameters after forward (default True).
         cpu_offload: keep the shards (and their gradients and optimizer state) in CPU memory.
+        collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
+            where they are faster; FSDP2's own on NCCL), ``"native"`` or ``"allreduce"``
+            (``torchspmd/fsdp/collectives.py``).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         mixed_precision: Any = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
+        collectives: str = "auto",
     ):
         runtime._require_spmd("FSDPv2")
         if isinstance(module, SpmdFullyShardedDataParallel):
@@ -131,8 +135,12 @@ class SpmdFullyShardedDataParallel(nn.Module):
             if extra_data_axis == "fsdp":
                 raise ValueError("extra_data_axis must be another axis than 'fsdp'")
         super().__init__()
+        from torchspmd.fsdp.collectives import CHOICES
+
+        if collectives not in CHOICES:
+            raise SpmdError(f"FSDPv2(collectives={collectives!r}): choose one of {', '.join(CHOICES)}")
         options = dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                       cpu_offload=cpu_offload)
+                       cpu_offload=cpu_offload, collectives=collectives)
         if auto_wrap_policy is not None:
             for name, sub in module.named_modules():
                 if isinstance(sub, SpmdFullyShardedDataParallel):
@@ -228,7 +236,7 @@ def _unit_meshes(mesh: Mesh, extra_data_axis: str | None):
 
 
 def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, mixed_precision,
-                reshard_after_forward, cpu_offload) -> None:
+                reshard_after_forward, cpu_offload, collectives: str = "auto") -> None:
     """Make ``module`` one FSDP2 unit (in place), summing gradients over the data axes."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
@@ -247,11 +255,15 @@ def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, 
         ignored_params=ignored or None,
     )
     _sum_reductions(module)
+    from torchspmd.fsdp.collectives import install
+
+    install(module, collectives, one_group=isinstance(reshard_after_forward, bool))
 
 
 def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Callable | None = None,
                    extra_data_axis: str | None = None, *, mixed_precision: Any = None,
-                   reshard_after_forward: bool | int = True, cpu_offload: bool = False) -> nn.Module:
+                   reshard_after_forward: bool | int = True, cpu_offload: bool = False,
+                   collectives: str = "auto") -> nn.Module:
     """An ``auto_wrapper_callable`` making each auto-wrapped module an FSDPv2 unit without
     a wrapper module around it: the model keeps its module names (for libraries that
     walk them, e.g. PEFT's adapter saving). Returns ``module`` itself, sharded. Only
@@ -261,7 +273,8 @@ def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Ca
     if mesh is None or mesh.axis_names is None or "fsdp" not in mesh.axis_names:
         raise SpmdError("shard_in_place: give the Mesh (with an 'fsdp' axis) the FSDPv2 root uses")
     data_dims, fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
-    _shard_unit(module, mesh, data_dims, fsdp_mesh, mixed_precision, reshard_after_forward, cpu_offload)
+    _shard_unit(module, mesh, data_dims, fsdp_mesh, mixed_precision, reshard_after_forward, cpu_offload,
+                collectives)
     return module
 
 

@@ -1,0 +1,241 @@
+"""Collectives tuned per backend, plugged into FSDP2 (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``).
+
+gloo moves every byte through TCP sockets, even between processes of one machine; that
+is where FSDP on CPUs loses its time (``bench/collectives.py`` measures it). FSDPv2's
+variants, all giving the native collectives' results:
+
+- ``"shm"`` (processes of one machine): the collectives go through shared memory. The
+  all-gather output buffer FSDP2 asks for *is* a shared buffer: FSDP2 copies each
+  process's shard into its slot, one barrier, and every process reads the whole
+  parameters from it. The reduce-scatter copies each process's gradients into its slot
+  of a shared buffer; after one barrier each process sums its part over the processes.
+  Buffers alternate between two halves, so a process one collective ahead never writes
+  where another still reads. No bytes go through a socket; the barriers are gloo's.
+- ``"allreduce"`` (gloo across machines): all-gather as an all-reduce of the output
+  holding this process's shard and zeros (the exact values), reduce-scatter as an
+  in-place all-reduce keeping this process's slot. gloo's all-reduce is faster than its
+  all-gather and reduce-scatter of the same buffer.
+- ``"native"``: FSDP2's own (kept on NCCL, which is near the hardware limit).
+
+``collectives=`` on ``FSDPv2``: ``"auto"`` (default: ``"shm"`` when the group is gloo on
+CPU within one machine, ``"allreduce"`` for gloo across machines, ``"native"``
+otherwise), or one of the variants by name.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from torchspmd._errors import SpmdError
+
+__all__ = ["AllReduceAllGather", "AllReduceReduceScatter", "SharedMemoryAllGather", "SharedMemoryReduceScatter",
+           "choose", "CHOICES"]
+
+CHOICES = ("auto", "native", "allreduce", "shm")
+
+
+class _Alloc:
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AllReduceAllGather(_Alloc, AllGather):
+    """All-gather as an all-reduce of the output holding this process's shard and zeros."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        world, rank = group.size(), group.rank()
+        slots = output_tensor.view(world, -1)
+        mine = slots[rank]
+        if input_tensor.data_ptr() != mine.data_ptr():  # FSDP2 copies the input into its slot already
+            mine.copy_(input_tensor.reshape(-1))
+        if rank > 0:
+            slots[:rank].zero_()
+        if rank < world - 1:
+            slots[rank + 1:].zero_()
+        return dist.all_reduce(output_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class _Done:
+    """A finished ``Work`` for a collective that completed before returning."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class AllReduceReduceScatter(_Alloc, ReduceScatter):
+    """Reduce-scatter as an in-place all-reduce of the input, keeping this process's slot."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        world, rank = group.size(), group.rank()
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
+        return _Done() if async_op else None
+
+
+# -- shared memory ------------------------------------------------------------------------
+class _Arena:
+    """Two halves of a shared-memory buffer for one process group, used in turn. Growing
+    it is collective: every process asks for the same sizes in the same order (FSDP2's
+    collectives are issued in one order everywhere)."""
+
+    def __init__(self, group: dist.ProcessGroup, slots: int):
+        self.group = group
+        self.slots = slots  # the buffer holds this many blocks of the requested size
+        self.halves: list[torch.Tensor] = []
+        self.capacity = 0
+        self.turn = 0
+        self.segments: list = []  # keep the mappings alive
+
+    def _grow(self, nbytes: int) -> None:
+        from multiprocessing import resource_tracker, shared_memory
+
+        size = 2 * self.slots * nbytes
+        rank = self.group.rank()
+        name = [None]
+        if rank == 0:
+            seg = shared_memory.SharedMemory(create=True, size=size)
+            name = [seg.name]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if rank != 0:
+            seg = shared_memory.SharedMemory(name=name[0])
+            # Only the creator unlinks it (which also tells Python's resource tracker); the
+            # others' trackers must not unlink it again at exit.
+            resource_tracker.unregister(seg._name, "shared_memory")
+        dist.barrier(group=self.group)
+        if rank == 0:
+            seg.unlink()  # gone from /dev/shm now; the mappings live until the processes end
+        base = torch.frombuffer(seg.buf, dtype=torch.uint8)
+        half = self.slots * nbytes
+        self.halves = [base[:half], base[half:2 * half]]
+        self.capacity = nbytes
+        self.segments.append(seg)
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        """The next half's first ``slots * nbytes`` bytes."""
+        if nbytes > self.capacity:
+            self._grow(-(-nbytes // 2**20) * 2**20)
+        half = self.halves[self.turn]
+        self.turn ^= 1
+        return half[: self.slots * nbytes]
+
+
+_ARENAS: dict[tuple[int, str], _Arena] = {}
+
+
+def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
+    key = (id(group), kind)
+    if key not in _ARENAS:
+        _ARENAS[key] = _Arena(group, 1 if kind == "all_gather" else group.size())
+    return _ARENAS[key]
+
+
+class SharedMemoryAllGather(AllGather):
+    """All-gather through a shared output buffer (processes of one machine)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return _arena(self.group, "all_gather").next(nbytes).view(dtype).view(*size)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        world, rank = group.size(), group.rank()
+        mine = output_tensor.view(world, -1)[rank]
+        if input_tensor.data_ptr() != mine.data_ptr():
+            mine.copy_(input_tensor.reshape(-1))
+        dist.barrier(group=group)  # every slot written (and the other half free again)
+        return _Done() if async_op else None
+
+
+class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
+    """Reduce-scatter through shared memory: each process's input in its slot, then each
+    process sums its part over the slots."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        if op not in (dist.ReduceOp.SUM, "sum"):
+            raise SpmdError(f"shared-memory reduce-scatter: only sums are supported, got {op}")
+        world, rank = group.size(), group.rank()
+        n = input_tensor.numel()
+        nbytes = n * input_tensor.element_size()
+        slots = _arena(group, "reduce_scatter").next(nbytes).view(input_tensor.dtype).view(world, n)
+        slots[rank].copy_(input_tensor.reshape(-1))
+        dist.barrier(group=group)  # every slot written
+        parts = slots.view(world, world, n // world)[:, rank]
+        torch.sum(parts, dim=0, out=output_tensor.view(-1))
+        return _Done() if async_op else None
+
+
+def _same_machine(group: dist.ProcessGroup) -> bool:
+    names: list = [None] * group.size()
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names)) == 1
+
+
+def _backend_of(group: dist.ProcessGroup, device: torch.device) -> str:
+    try:
+        return str(dist.get_backend(group)) if device.type != "cuda" else "nccl"
+    except Exception:
+        return "unknown"
+
+
+def choose(collectives: str, module, one_group: bool = True) -> str:
+    """The variant ``module``'s FSDP2 unit uses. ``one_group``: the unit gathers over one
+    process group (not ``reshard_after_forward=<int>``, which gathers over a second one)."""
+    if collectives not in CHOICES:
+        raise SpmdError(f"FSDPv2(collectives={collectives!r}): choose one of {', '.join(CHOICES)}")
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or []
+    if not groups or collectives in ("native", "allreduce"):
+        return "native" if not groups else collectives
+    pg = groups[0].mesh_info.shard_process_group
+    device = groups[0].device
+    gloo_cpu = "gloo" in _backend_of(pg, device) and device.type == "cpu"
+    if collectives == "auto" and not gloo_cpu:
+        return "native"
+    key = id(pg)
+    if key not in _SAME_MACHINE:
+        _SAME_MACHINE[key] = _same_machine(pg)
+    if collectives == "shm" and not (gloo_cpu and _SAME_MACHINE[key] and one_group):
+        raise SpmdError(
+            "FSDPv2(collectives='shm'): shared-memory collectives need CPU tensors, a gloo group whose processes "
+            "are all on this machine, and reshard_after_forward True or False; use collectives='auto'"
+        )
+    return "shm" if _SAME_MACHINE[key] and one_group else "allreduce"
+
+
+_SAME_MACHINE: dict[int, bool] = {}
+
+
+def install(module, collectives: str, one_group: bool = True) -> str:
+    """Give ``module`` (an FSDP2 unit) the chosen collectives; return the choice."""
+    variant = choose(collectives, module, one_group)
+    if variant == "allreduce":
+        module.set_custom_all_gather(AllReduceAllGather())
+        module.set_custom_reduce_scatter(AllReduceReduceScatter())
+    elif variant == "shm":
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if groups:
+            pg = groups[0].mesh_info.shard_process_group
+            module.set_custom_all_gather(SharedMemoryAllGather(pg))
+            module.set_custom_reduce_scatter(SharedMemoryReduceScatter(pg))
+    return variant
