@@ -82,6 +82,8 @@ def _wrap(variant, model, mesh):
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), extra_data_axis="data")
     if variant == "native":  # FSDP2's own all-gather and reduce-scatter
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), collectives="native")
+    if variant == "compile":
+        return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), compile=True)
     if variant == "shm":
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), collectives="shm")
     if variant == "allreduce":
@@ -129,6 +131,7 @@ def _train(variant, batch, layers=2, mixed_precision=None):
 CASES = [
     ("auto", 2, 4), ("auto", 2, 5), ("auto", 4, 8), ("auto", 4, 7), ("auto", 3, 7),
     ("native", 2, 5), ("native", 3, 7), ("native", 4, 7), ("allreduce", 3, 5), ("shm", 3, 7), ("shm", 4, 7),
+    ("compile", 2, 5),
     ("checkpoint", 2, 5), ("checkpoint", 4, 8),
     ("shard_output", 2, 4), ("shard_output", 4, 7),
     ("nested", 2, 5), ("nested", 4, 8),
@@ -324,3 +327,24 @@ def test_model_output_logits_and_scalar_loss(dist, world, rows):
         # a loss the module computed on its rows: the row-weighted mean over devices
         assert got_loss == pytest.approx(loss.item(), rel=RTOL)
         torch.testing.assert_close(grad, ref.lin.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def _compiled_graphs():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    mesh = _mesh("auto")
+    model = ts.FSDPv2(_model(), mesh=mesh, auto_wrap_policy=_policy(), compile=True)
+    compiled = [type(m).__name__ for m in model.modules()
+                if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None]
+    x, y = _batches(4)[:4]
+    loss = _loss(model(x), y)
+    loss.backward()
+    return compiled, torch._dynamo.utils.counters["stats"]["unique_graphs"], sorted(ts.full_state_dict(model))
+
+
+def test_compile_compiles_each_wrapped_block(dist):
+    compiled, graphs, keys = dist(2).run(_compiled_graphs)[0]
+    assert len(compiled) == 2 and all("DecoderLayer" in c for c in compiled)
+    assert graphs >= 1
+    assert keys == sorted(_model().state_dict())  # names unchanged

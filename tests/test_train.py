@@ -187,3 +187,13 @@ def test_checkpoint_from_another_model_shape(tmp_path):
     train(tmp_path, "--optim.max_steps", "2", "--checkpoint.every", "2")
     r = train(tmp_path, "--optim.max_steps", "4", "--model.dim", "96", check=False)
     assert r.returncode != 0 and "saved from a model of another shape" in r.stderr
+
+
+def test_compiled_layers_train_like_eager(tmp_path):
+    train(tmp_path / "eager", "--optim.max_steps", "4")
+    r = train(tmp_path / "compiled", "--optim.max_steps", "4", "--compile", "true")
+    assert "torch.compile: 2 compiled blocks" in r.stdout
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys()
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4)

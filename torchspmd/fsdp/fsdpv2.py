@@ -87,6 +87,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
         collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
             where they are faster; FSDP2's own on NCCL), ``"native"`` or ``"allreduce"``
             (``torchspmd/fsdp/collectives.py``).
+        compile: ``torch.compile`` each wrapped block's ``forward`` (True, or a dict of
+            ``torch.compile`` options); the root module too when nothing is wrapped below
+            it. FSDP2's gathering and reducing stay outside the compiled code.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
         collectives: str = "auto",
+        compile: bool | dict = False,
     ):
         runtime._require_spmd("FSDPv2")
         if isinstance(module, SpmdFullyShardedDataParallel):
@@ -163,6 +167,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
         _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
+        if compile:
+            _compile_units(module, compile if isinstance(compile, dict) else {})
         self._register_state_dict_hook(_strip_prefix_hook)
         self._register_load_state_dict_pre_hook(_add_prefix_hook)
 
@@ -258,6 +264,16 @@ def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, 
     from torchspmd.fsdp.collectives import install
 
     install(module, collectives, one_group=isinstance(reshard_after_forward, bool))
+
+
+def _compile_units(root: nn.Module, options: dict) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in root.modules() if isinstance(m, FSDPModule) and m is not root] or [root]
+    for unit in units:
+        # The instance's forward: FSDP2's hooks run around it, eagerly; the module keeps its
+        # names and class (state dicts unchanged).
+        unit.forward = torch.compile(unit.forward, **options)
 
 
 def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Callable | None = None,

@@ -100,6 +100,7 @@ class TrainConfig:
     preset: str = _f("tiny", "named starting point (see --list-presets)")
     out_dir: str = _f("runs/tiny", "where checkpoints, metrics and plots go")
     seed: int = _f(0, "random seed")
+    compile: bool = _f(False, "torch.compile each decoder layer (FSDPv2(compile=True))")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

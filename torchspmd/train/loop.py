@@ -216,7 +216,12 @@ def run(cfg: TrainConfig) -> dict:
 
     wrapper = checkpointed if cfg.precision.checkpointing else None
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
-                      extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None)
+                      extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
+                      compile=cfg.compile)
+    if cfg.compile and rank == 0:
+        compiled = sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable",
+                                                             None) is not None)
+        print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
     if cfg.model.meta_init:
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         model.to_empty(device=ts.device())
