@@ -147,7 +147,6 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
 def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
     """torch_xla's own FSDPv2 on PJRT_DEVICE=CPU devices, one process (torch_xla's venv)."""
     import functools
-    import statistics  # noqa: F401  (write_result)
     import time
 
     import numpy as np
@@ -197,7 +196,7 @@ def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup:
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
     r = subprocess.run([python, __file__, "--xla-worker", "--models", model, "--size", size, "--steps", str(steps),
-                        "--warmup", str(warmup), "--result", str(result)], env=env, capture_output=True, text=True)
+                        "--warmup", str(warmup), "--result", str(result)], env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         print(f"torch_xla run failed ({model}, x{nproc}):\n{r.stderr[-2000:]}")
         return None
