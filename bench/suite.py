@@ -253,6 +253,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-scaling", action="store_true")
+    p.add_argument("--update", action="store_true",
+                   help="merge this run's rows into bench/results/suite.json (same model, strategy and processes "
+                        "replaced) and write the tables again")
     p.add_argument("--worker")
     p.add_argument("--xla-worker", action="store_true")
     p.add_argument("--result")
@@ -290,6 +293,15 @@ def main() -> None:
                 row = reuse or run_worker(__file__, ["--worker", "fsdpv2", "--models", "seed", "--size", size,
                                                      *common], nproc, HERE / "results" / f".scale{size}{nproc}.json")
                 scaling.append({**row, "size": size, "nproc": nproc})
+    if a.update and (HERE / "results" / "suite.json").exists():
+        old = json.loads((HERE / "results" / "suite.json").read_text())
+        for model, rows in results.items():
+            new = {(r["strategy"], r["nproc"]) for r in rows}
+            kept = [r for r in old["results"].get(model, []) if (r["strategy"], r["nproc"]) not in new]
+            order = {(s, n): i for i, (s, n) in enumerate([("single", 1)] + [(s, n) for n in (2, 4) for s in STRATEGIES])}
+            old["results"][model] = sorted(kept + rows, key=lambda r: order.get((r["strategy"], r["nproc"]), 99))
+        results = old["results"]
+        scaling = scaling or old.get("scaling", [])
     import torch
 
     lines = ["## Benchmarks", "",

@@ -40,6 +40,9 @@ def _compare(numel):
     AllReduceReduceScatter()(rs_ours, full.clone(), group, dist.ReduceOp.SUM)
     # Shared memory: several rounds (the buffer halves alternate, sizes grow and shrink).
     shm_ok = True
+    import torchspmd.fsdp.collectives as coll
+
+    coll.RS_STEP_BYTES = 64  # the reduce-scatter in many small steps
     ag, rs = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
     for k, n in enumerate([numel, 3 * numel + 1, numel, 2 * numel]):
         piece = torch.randint(-50, 50, (n,), generator=g).float() + k
@@ -55,6 +58,7 @@ def _compare(numel):
         got_rs = torch.empty(n)
         rs(got_rs, grads, group, dist.ReduceOp.SUM)
         shm_ok &= torch.equal(got_rs, want_rs)
+    coll.RS_STEP_BYTES = 8 * 2**20
     return (torch.equal(native, ours), torch.equal(native, separate), torch.equal(rs_native, rs_ours) and shm_ok,
             torch.isinf(ours[0]).item())
 

@@ -33,7 +33,7 @@ from torchspmd.sharding import (
     visualize_sharding,
     visualize_tensor_sharding,
 )
-from torchspmd.data import MpDeviceLoader
+from torchspmd.data import MpDeviceLoader, shard_batch
 from torchspmd.replicate import replicate
 from torchspmd.fsdp import (
     FSDPv2,
@@ -81,6 +81,7 @@ __all__ = [
     "visualize_sharding",
     "visualize_tensor_sharding",
     "MpDeviceLoader",
+    "shard_batch",
     "replicate",
     "SpmdFullyShardedDataParallel",
     "FSDPv2",

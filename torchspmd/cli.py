@@ -118,7 +118,14 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "export": cmd_export, "generate": cmd_generate, "run": cmd_run, "info": cmd_info}
+def cmd_plan(argv: list[str]) -> int:
+    from torchspmd.plan import main as plan_main
+
+    return plan_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "export": cmd_export, "generate": cmd_generate, "run": cmd_run, "info": cmd_info,
+            "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=list(COMMANDS), help="train: the training job; export: a checkpoint as a "
                         "transformers directory; generate: sample from a checkpoint; run: start a script once per "
-                        "device; info: versions and devices")
+                        "device; info: versions and devices; plan: predict the peak memory per device")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv[:1] or ["--help"])
     try:

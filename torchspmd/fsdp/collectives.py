@@ -6,12 +6,14 @@ is where FSDP on CPUs loses its time (``bench/collectives.py`` measures it). FSD
 variants, all giving the native collectives' results:
 
 - ``"shm"`` (processes of one machine): the collectives go through shared memory. The
-  all-gather output buffer FSDP2 asks for *is* a shared buffer: FSDP2 copies each
-  process's shard into its slot, one barrier, and every process reads the whole
-  parameters from it. The reduce-scatter copies each process's gradients into its slot
-  of a shared buffer; after one barrier each process sums its part over the processes.
-  Buffers alternate between two halves, so a process one collective ahead never writes
-  where another still reads. No bytes go through a socket; the barriers are gloo's.
+  all-gather output buffer FSDP2 asks for *is* one shared buffer: once every process is
+  done with the previous parameters (a barrier when FSDP2 asks for the buffer), FSDP2
+  copies each process's shard into its slot, a second barrier, and every process reads
+  the whole parameters from it. The reduce-scatter goes in steps through a small shared
+  buffer (two halves of ``RS_STEP_BYTES`` used in turn): each process writes its piece
+  for every destination, a barrier, and each sums its own column. No bytes go through a
+  socket; the barriers are gloo's. The shared memory is the size of the largest unit's
+  gathered parameters plus 16 MB.
 - ``"allreduce"`` (gloo across machines): all-gather as an all-reduce of the output
   holding this process's shard and zeros (the exact values), reduce-scatter as an
   in-place all-reduce keeping this process's slot. gloo's all-reduce is faster than its
@@ -85,13 +87,13 @@ class AllReduceReduceScatter(_Alloc, ReduceScatter):
 
 # -- shared memory ------------------------------------------------------------------------
 class _Arena:
-    """Two halves of a shared-memory buffer for one process group, used in turn. Growing
-    it is collective: every process asks for the same sizes in the same order (FSDP2's
+    """A shared-memory buffer for one process group, in ``parts`` used in turn. Growing it
+    is collective: every process asks for the same sizes in the same order (FSDP2's
     collectives are issued in one order everywhere)."""
 
-    def __init__(self, group: dist.ProcessGroup, slots: int):
+    def __init__(self, group: dist.ProcessGroup, parts: int):
         self.group = group
-        self.slots = slots  # the buffer holds this many blocks of the requested size
+        self.parts = parts
         self.halves: list[torch.Tensor] = []
         self.capacity = 0
         self.turn = 0
@@ -100,7 +102,7 @@ class _Arena:
     def _grow(self, nbytes: int) -> None:
         from multiprocessing import resource_tracker, shared_memory
 
-        size = 2 * self.slots * nbytes
+        size = self.parts * nbytes
         rank = self.group.rank()
         name = [None]
         if rank == 0:
@@ -116,18 +118,17 @@ class _Arena:
         if rank == 0:
             seg.unlink()  # gone from /dev/shm now; the mappings live until the processes end
         base = torch.frombuffer(seg.buf, dtype=torch.uint8)
-        half = self.slots * nbytes
-        self.halves = [base[:half], base[half:2 * half]]
+        self.halves = [base[i * nbytes:(i + 1) * nbytes] for i in range(self.parts)]
         self.capacity = nbytes
         self.segments.append(seg)
 
     def next(self, nbytes: int) -> torch.Tensor:
-        """The next half's first ``slots * nbytes`` bytes."""
+        """The first ``nbytes`` of the next part."""
         if nbytes > self.capacity:
             self._grow(-(-nbytes // 2**20) * 2**20)
-        half = self.halves[self.turn]
-        self.turn ^= 1
-        return half[: self.slots * nbytes]
+        part = self.halves[self.turn]
+        self.turn = (self.turn + 1) % self.parts
+        return part[:nbytes]
 
 
 _ARENAS: dict[tuple[int, str], _Arena] = {}
@@ -136,12 +137,19 @@ _ARENAS: dict[tuple[int, str], _Arena] = {}
 def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
     key = (id(group), kind)
     if key not in _ARENAS:
-        _ARENAS[key] = _Arena(group, 1 if kind == "all_gather" else group.size())
+        _ARENAS[key] = _Arena(group, 1 if kind == "all_gather" else 2)
     return _ARENAS[key]
 
 
+#: Bytes of one step of the shared-memory reduce-scatter (all processes' pieces together).
+RS_STEP_BYTES = 8 * 2**20
+
+
 class SharedMemoryAllGather(AllGather):
-    """All-gather through a shared output buffer (processes of one machine)."""
+    """All-gather through one shared output buffer (processes of one machine): FSDP2 asks
+    for the output buffer (a barrier there: every process is done reading the previous
+    parameters from it), copies its shard into its slot, and after a second barrier every
+    process reads the whole parameters."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -151,7 +159,9 @@ class SharedMemoryAllGather(AllGather):
         for s in size:
             numel *= int(s)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return _arena(self.group, "all_gather").next(nbytes).view(dtype).view(*size)
+        arena = _arena(self.group, "all_gather")
+        dist.barrier(group=self.group)  # nobody still copies out of the buffer
+        return arena.next(nbytes).view(dtype).view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
@@ -159,13 +169,14 @@ class SharedMemoryAllGather(AllGather):
         mine = output_tensor.view(world, -1)[rank]
         if input_tensor.data_ptr() != mine.data_ptr():
             mine.copy_(input_tensor.reshape(-1))
-        dist.barrier(group=group)  # every slot written (and the other half free again)
+        dist.barrier(group=group)  # every slot written
         return _Done() if async_op else None
 
 
 class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
-    """Reduce-scatter through shared memory: each process's input in its slot, then each
-    process sums its part over the slots."""
+    """Reduce-scatter through a small shared buffer, in steps: each process writes its
+    piece for every destination into its row, one barrier, and each process sums its
+    column. Two halves used in turn, so the buffer stays ``2 * RS_STEP_BYTES``."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -175,13 +186,18 @@ class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
         if op not in (dist.ReduceOp.SUM, "sum"):
             raise SpmdError(f"shared-memory reduce-scatter: only sums are supported, got {op}")
         world, rank = group.size(), group.rank()
-        n = input_tensor.numel()
-        nbytes = n * input_tensor.element_size()
-        slots = _arena(group, "reduce_scatter").next(nbytes).view(input_tensor.dtype).view(world, n)
-        slots[rank].copy_(input_tensor.reshape(-1))
-        dist.barrier(group=group)  # every slot written
-        parts = slots.view(world, world, n // world)[:, rank]
-        torch.sum(parts, dim=0, out=output_tensor.view(-1))
+        per = input_tensor.numel() // world
+        src = input_tensor.view(world, per)  # src[d]: this process's part for destination d
+        out = output_tensor.view(-1)
+        size = input_tensor.element_size()
+        step = max(1, RS_STEP_BYTES // (world * world * size))
+        arena = _arena(group, "reduce_scatter")
+        for start in range(0, per, step):
+            m = min(step, per - start)
+            buf = arena.next(world * world * m * size).view(input_tensor.dtype).view(world, world, m)
+            buf[rank].copy_(src[:, start:start + m])
+            dist.barrier(group=group)  # every row written
+            torch.sum(buf[:, rank], dim=0, out=out[start:start + m])
         return _Done() if async_op else None
 
 
