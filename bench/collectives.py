@@ -5,8 +5,8 @@
 For each buffer size (the full, unsharded bytes of one FSDP unit) it times, over the
 processes: the native all-gather of one shard per process into the whole buffer, the
 native reduce-scatter of the whole buffer, and torchspmd's all-reduce forms of both
-(``torchspmd/fsdp/collectives.py``). Writes ``bench/results/collectives.md`` and
-``.json``; ``"auto"`` in FSDPv2 picks the all-reduce forms on gloo because of it.
+and the shared-memory forms (``torchspmd/fsdp/collectives.py``). Writes
+``bench/results/collectives.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ def worker(sizes_mb: list[int], repeat: int, result: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchspmd.fsdp.collectives import AllReduceAllGather, AllReduceReduceScatter
+    from torchspmd.fsdp.collectives import (
+        AllReduceAllGather,
+        AllReduceReduceScatter,
+        SharedMemoryAllGather,
+        SharedMemoryReduceScatter,
+    )
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,12 +61,24 @@ def worker(sizes_mb: list[int], repeat: int, result: str) -> None:
         def rs_allreduce():
             AllReduceReduceScatter()(small, full.clone(), group, dist.ReduceOp.SUM)
 
+        shm_ag, shm_rs = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
+
+        def ag_shm():
+            buf = shm_ag.allocate((n,), dtype=torch.float32, device=torch.device("cpu"))
+            buf.view(world, -1)[rank].copy_(shard)  # FSDP2's copy-in
+            shm_ag(buf, buf.view(world, -1)[rank], group)
+            out.copy_(buf)  # FSDP2's copy-out (into the parameters)
+
+        def rs_shm():
+            shm_rs(small, full.clone(), group, dist.ReduceOp.SUM)
+
         def copy_only():
             full.clone()
 
         row = {"mb": mb}
         for name, fn in [("all_gather", ag_native), ("all_gather_via_all_reduce", ag_allreduce),
-                         ("reduce_scatter", rs_native), ("reduce_scatter_via_all_reduce", rs_allreduce),
+                         ("all_gather_shm", ag_shm), ("reduce_scatter", rs_native),
+                         ("reduce_scatter_via_all_reduce", rs_allreduce), ("reduce_scatter_shm", rs_shm),
                          ("clone", copy_only)]:
             times = []
             for i in range(repeat + 1):
@@ -72,8 +89,8 @@ def worker(sizes_mb: list[int], repeat: int, result: str) -> None:
                     times.append(time.perf_counter() - t0)
             row[name] = statistics.median(times)
         # The clone is part of the reduce-scatter timings (the input is consumed): take it out.
-        row["reduce_scatter"] -= row["clone"]
-        row["reduce_scatter_via_all_reduce"] -= row["clone"]
+        for key in ("reduce_scatter", "reduce_scatter_via_all_reduce", "reduce_scatter_shm"):
+            row[key] -= row["clone"]
         rows.append(row)
     if rank == 0:
         Path(result).write_text(json.dumps(rows))
@@ -98,16 +115,22 @@ def main() -> None:
                                                                  str(a.repeat)], nproc, RESULTS / ".coll.json")
     lines = ["# gloo collectives: native vs all-reduce forms", "",
              f"`python bench/collectives.py` on this machine ({os.cpu_count()} cores); median seconds of "
-             f"{a.repeat} calls; buffer = the whole (unsharded) size.", "",
-             "| processes | MB | all-gather | via all-reduce | speed-up | reduce-scatter | via all-reduce | speed-up |",
+             f"{a.repeat} calls (speed-up over the native collective); buffer = the whole (unsharded) size. "
+             f"The shared-memory all-gather includes FSDP2's copy-in and copy-out.", "",
+             "| processes | MB | all-gather | via all-reduce | shared memory | reduce-scatter | via all-reduce | "
+             "shared memory |",
              "|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, key, base):
+        return f"{r[key]:.4f} ({r[base] / r[key]:.1f}x)"
+
     for nproc, rows in table.items():
         for r in rows:
             lines.append(
-                f"| {nproc} | {r['mb']} | {r['all_gather']:.4f} | {r['all_gather_via_all_reduce']:.4f} | "
-                f"{r['all_gather'] / r['all_gather_via_all_reduce']:.2f}x | {r['reduce_scatter']:.4f} | "
-                f"{r['reduce_scatter_via_all_reduce']:.4f} | "
-                f"{r['reduce_scatter'] / r['reduce_scatter_via_all_reduce']:.2f}x |")
+                f"| {nproc} | {r['mb']} | {r['all_gather']:.4f} | {cell(r, 'all_gather_via_all_reduce', 'all_gather')} | "
+                f"{cell(r, 'all_gather_shm', 'all_gather')} | {r['reduce_scatter']:.4f} | "
+                f"{cell(r, 'reduce_scatter_via_all_reduce', 'reduce_scatter')} | "
+                f"{cell(r, 'reduce_scatter_shm', 'reduce_scatter')} |")
     (RESULTS / "collectives.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "collectives.json").write_text(json.dumps(table, indent=1))
     print("\n".join(lines))
