@@ -29,6 +29,18 @@ def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
     return times
 
 
+def per_process_loader(data, global_batch: int):
+    """Join the gloo group torchrun describes; return (rank, world, a DataLoader of this
+    process's rows of each global batch), as DDP and FSDP2 programs read their data."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
+    return rank, world, torch.utils.data.DataLoader(data, batch_size=global_batch // world, sampler=sampler)
+
+
 def write_result(result: str, strategy: str, tokens_per_step: int, times: list[float], **extra) -> None:
     """Rank 0's measurements: median tokens/s, this process's peak RSS, and ``extra``."""
     import resource

@@ -16,7 +16,7 @@ import os
 import platform
 from pathlib import Path
 
-from _common import run_worker, timed_steps, write_result
+from _common import per_process_loader, run_worker, timed_steps, write_result
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(vocab_size=3200, dim=256, num_layers=4, num_heads=4, intermediate_size=1024, max_seq_len=64)
@@ -44,13 +44,8 @@ def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
     if strategy == "single":
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     elif strategy == "ddp":
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, _, loader = per_process_loader(data, BATCH)
         model = torch.nn.parallel.DistributedDataParallel(model)
-        sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH // world, sampler=sampler)
     else:
         import torchspmd as ts
 

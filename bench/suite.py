@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import run_worker, timed_steps, write_result  # noqa: E402
+from _common import per_process_loader, run_worker, timed_steps, write_result  # noqa: E402
 
 SEED = dict(vocab_size=3200, dim=1024, num_layers=8, num_heads=8, intermediate_size=4096, max_seq_len=64)
 SMALL = dict(vocab_size=3200, dim=384, num_layers=4, num_heads=6, intermediate_size=1536, max_seq_len=64)
@@ -107,10 +107,7 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
     if strategy == "single":
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     elif strategy in ("ddp", "fsdp2"):
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, _, loader = per_process_loader(data, BATCH)
         if strategy == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         else:
@@ -120,8 +117,6 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
                 if isinstance(m, layer_cls):
                     fully_shard(m)
             fully_shard(model)
-        sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH // world, sampler=sampler)
     else:
         import functools
 
