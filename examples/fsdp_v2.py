@@ -42,6 +42,7 @@ def main():
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checkpointing", action="store_true", help="recompute each layer's activations")
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every this many steps")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -66,7 +67,7 @@ def main():
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        if step % 10 == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == args.steps - 1:
             print(f"Step {step}, Loss: {loss.item():.4f}")
 
 

@@ -3,6 +3,7 @@ any device.
 
     python examples/hf_finetune.py                  # 2 CPU devices (processes)
     python examples/hf_finetune.py --devices 4 --steps 60
+    PJRT_DEVICE=TPU python examples/hf_finetune.py  # a TPU VM: transformers' own torch_xla FSDPv2
 
 A small Llama is built from a config and saved with ``save_pretrained`` first (the
 stand-in for a downloaded checkpoint), then loaded with ``from_pretrained`` and
@@ -18,7 +19,9 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+import torchspmd as ts
 from torchspmd.hf import fsdp_v2
 
 
@@ -60,16 +63,19 @@ def make_base_model(directory: Path, texts: list[str], seed: int) -> None:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--devices", type=int, default=int(os.environ.get("CPU_NUM_DEVICES", 2)))
+    p.add_argument("--devices", type=int, default=None,
+                   help="CPU devices (processes) on the native engine; default $CPU_NUM_DEVICES, else 2. "
+                        "On the XLA backend PJRT decides")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="global batch (per_device_train_batch_size under SPMD)")
     p.add_argument("--out", default="runs/hf_finetune")
     p.add_argument("--bf16", action="store_true", help="bf16 compute over fp32 shards")
     args = p.parse_args()
 
+    if args.devices is None and not os.environ.get("PJRT_DEVICE"):
+        args.devices = int(os.environ.get("CPU_NUM_DEVICES", 2))
     fsdp_v2.use_fsdp_v2(num_devices=args.devices)  # first: with 2 devices the script runs once per device
 
-    import torch.distributed as dist
     from datasets import Dataset
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,19 +86,21 @@ def main():
     out = Path(args.out)
     base_dir = out / "base"
     texts = local_texts(512)
-    if dist.get_rank() == 0 and not (base_dir / "config.json").exists():
+    first = ts.process_index() == 0  # the process that writes files and prints
+    if first and not (base_dir / "config.json").exists():
         make_base_model(base_dir, texts, seed=0)
-    dist.barrier()
+    if dist.is_initialized():  # one process per device (native engine): wait for the files
+        dist.barrier()
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     fsdp_args = fsdp_v2.get_fsdp_training_args(model)
-    if dist.get_rank() == 0:
+    if first:
         print("fsdp args:", fsdp_args)
     config = SFTConfig(
         output_dir=str(out / "run"), per_device_train_batch_size=args.batch, max_steps=args.steps,
         learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=5, save_strategy="no", report_to=[],
-        max_length=128, bf16=args.bf16, use_cpu=True, seed=0, disable_tqdm=True,
+        max_length=128, bf16=args.bf16, use_cpu=ts.device_type() == "cpu", seed=0, disable_tqdm=True,
         gradient_checkpointing=False,  # xla_fsdp_grad_ckpt checkpoints each decoder layer already
         **fsdp_args,
     )
@@ -102,14 +110,14 @@ def main():
                                task_type="CAUSAL_LM"),
     )
     shard = next(p for p in trainer.model.parameters())
-    if dist.get_rank() == 0:
+    if first:
         print(f"parameters: {type(shard).__name__} {tuple(getattr(shard, 'placements', ()))} over "
-              f"{dist.get_world_size()} devices")
+              f"{ts.global_runtime_device_count()} devices ({ts.backend()} backend)")
     trainer.train()
     trainer.save_model(str(out / "adapter"))
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if dist.get_rank() == 0:
+    if first:
         tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
         n_lora = sum(p.numel() for n, p in tuned.named_parameters() if "lora_" in n)
         print(f"adapter saved to {out / 'adapter'} ({n_lora} LoRA weights) and loaded back")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torchspmd import runtime
 from torchspmd._errors import SpmdError
 
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -48,6 +49,10 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _on_xla() -> bool:
+    return runtime.is_spmd() and runtime.backend() == "xla"
+
+
 def _names(model) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
@@ -58,6 +63,10 @@ def _ensure_optim_state(optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if all(p in optimizer.state and optimizer.state[p] for p in params):
         return
+    if _on_xla():
+        from torchspmd.backends import xla
+
+        return xla.prime_optimizer(optimizer)
     lrs = [g["lr"] for g in optimizer.param_groups]
     for p in params:
         if p.grad is None:
@@ -106,14 +115,20 @@ def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], c
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save({"model": model.state_dict(), "optim": _optim_state(model, optimizer)}, checkpoint_id=str(tmp))
+    sd = {"model": model.state_dict(), "optim": _optim_state(model, optimizer)}
+    if _on_xla():  # torch_xla's planners write each device's shards; the layout and keys are the same
+        from torchspmd.backends import xla
+
+        xla.dcp_save(sd, str(tmp))
+    else:
+        dcp.save(sd, checkpoint_id=str(tmp))
     if _fail_after_shards:  # tests: a crash between the shards and the rest
         raise RuntimeError("simulated crash during checkpoint save")
     if _rank() == 0:
         torch.save(state, tmp / "state.pt")
         (tmp / "config.toml").write_text(config_toml)
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size()
-                                                   if dist.is_initialized() else 1}))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
+                                                   if runtime.is_spmd() else 1}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # atomic: the checkpoint appears whole or not at all
@@ -144,8 +159,13 @@ def load(path: str | Path, model, optimizer) -> dict:
             raise SpmdError(f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and {tuple(value.shape)} "
                             f"in this model; it was saved from a model of another shape")
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state["model"])
+    if _on_xla():  # loads in place into the sharded device tensors
+        from torchspmd.backends import xla
+
+        xla.dcp_load(state, str(path))
+    else:
+        dcp.load(state, checkpoint_id=str(path))
+        model.load_state_dict(state["model"])
     _load_optim_state(model, optimizer, state["optim"])
     return torch.load(path / "state.pt", weights_only=False)
 

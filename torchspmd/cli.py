@@ -70,7 +70,10 @@ def cmd_info(argv: list[str]) -> int:
     print(f"torchspmd {torchspmd.__version__}")
     print(f"torch {torch.__version__}")
     print(f"backend (default) {backend}")
-    print(f"local devices {runtime._configured_local_devices(backend)}")
+    if backend == "xla":
+        print(f"local devices {runtime.addressable_runtime_device_count()} (one process drives them: torch_xla)")
+    else:
+        print(f"local devices {runtime._configured_local_devices(backend)}")
     print(f"cuda available {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
     print(f"torch_xla installed {importlib.util.find_spec('torch_xla') is not None}")
     return 0

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchspmd import runtime
+from torchspmd._delegate import OnXla, on_xla
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
 from torchspmd._chunks import block_of, chunk as _chunk, contiguous_stride as _contiguous_stride
@@ -195,8 +196,9 @@ def _local_loader(loader: DataLoader, batch_sampler) -> DataLoader:
     return DataLoader(loader.dataset, **kwargs)
 
 
-class MpDeviceLoader:
-    """Wrap a loader of global batches; iterate to get sharded global batches.
+class MpDeviceLoader(metaclass=OnXla):
+    """Wrap a loader of global batches; iterate to get sharded global batches (torch_xla's
+    ``MpDeviceLoader`` on the XLA backend, given the same arguments).
 
     Args:
         loader: yields global batches (tensors, or tuples/lists/dicts of them). A
@@ -213,6 +215,8 @@ class MpDeviceLoader:
         fixed_batch_size: stop at the first batch whose size differs from the first one
             (drops an odd last batch).
     """
+
+    _xla_factory = "loader"
 
     def __init__(
         self,
@@ -398,6 +402,7 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
     return _map_batch(batch, convert)
 
 
+@on_xla
 def shard_batch(batch: Any, input_sharding: ShardingSpec | dict, device=None) -> Any:
     """A whole global batch that every process holds alike (read and collated by each),
     as global DTensors laid out by ``input_sharding`` (as ``MpDeviceLoader``'s): each

@@ -13,13 +13,14 @@ from typing import Sequence
 import numpy as np
 
 from torchspmd import runtime
+from torchspmd._delegate import OnXla, on_xla
 from torchspmd._errors import SpmdError
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
 
 
-class Mesh:
-    """A logical device mesh.
+class Mesh(metaclass=OnXla):
+    """A logical device mesh (torch_xla's ``Mesh`` on the XLA backend).
 
     Args:
         device_ids: the devices (ranks) in C order; reshaped to ``mesh_shape``.
@@ -32,6 +33,8 @@ class Mesh:
         mesh.get_logical_mesh()   # array([[0, 1], [2, 3], [4, 5], [6, 7]])
         mesh.shape()              # OrderedDict([('data', 4), ('model', 2)])
     """
+
+    _xla_factory = "mesh"
 
     def __init__(self, device_ids, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None):
         ids = np.asarray(device_ids)
@@ -134,8 +137,11 @@ class HybridMesh(Mesh):
     ``dcn_mesh_shape`` how hosts tile the mesh (the axes crossing the slower network).
 
     Hosts are torchrun's nodes: ``LOCAL_WORLD_SIZE`` devices each, ranks numbered host by
-    host. The mesh shape is the element-wise product of both shapes.
+    host. The mesh shape is the element-wise product of both shapes. On the XLA backend
+    this is torch_xla's ``HybridMesh`` (laid out by the TPU topology).
     """
+
+    _xla_factory = "hybrid_mesh"
 
     def __init__(
         self,
@@ -178,6 +184,7 @@ class HybridMesh(Mesh):
 _GLOBAL_MESH: Mesh | None = None
 
 
+@on_xla
 def set_global_mesh(mesh: Mesh | None) -> None:
     """Make ``mesh`` the default for FSDPv2 and for calls given no mesh (None clears it)."""
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -186,11 +193,13 @@ def set_global_mesh(mesh: Mesh | None) -> None:
     _GLOBAL_MESH = mesh
 
 
+@on_xla
 def get_global_mesh() -> Mesh | None:
     """The mesh set by ``set_global_mesh``, or None."""
     return _GLOBAL_MESH
 
 
+@on_xla
 def get_1d_mesh(axis_name: str | None = None) -> Mesh:
     """All devices along one axis (named ``axis_name`` if given)."""
     n = runtime.global_runtime_device_count()

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import _global_view, runtime
 from torchspmd._boundary import inputs_to_local, outputs_to_global
+from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh, get_1d_mesh, get_global_mesh
 
@@ -63,6 +64,7 @@ class _ReplicateState:
         return outputs_to_global(output, self.layout, "replicate")
 
 
+@on_xla
 def replicate(
     module: nn.Module,
     mesh: Mesh | None = None,

@@ -48,6 +48,7 @@ ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"  # local processes to use, any device 
 ENV_BACKEND = "TORCHSPMD_BACKEND"  # cpu | cuda | xla
 ENV_ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"  # 1: keep stdout/warnings of every rank
 XLA_CPU_NUM_DEVICES = "CPU_NUM_DEVICES"  # torch_xla's name, honoured on CPU too
+XLA_PJRT_DEVICE = "PJRT_DEVICE"  # set (with torch_xla installed): the XLA backend
 
 
 @dataclass
@@ -57,6 +58,7 @@ class _State:
     device: torch.device | None = None
     step: int = 0
     owns_process_group: bool = False
+    warned_pjrt: bool = False
 
 
 _STATE = _State()
@@ -67,9 +69,26 @@ def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _xla_by_environment() -> bool:
+    """torch_xla's own switch: PJRT_DEVICE set, and torch_xla importable."""
+    if not os.environ.get(XLA_PJRT_DEVICE):
+        return False
+    from torchspmd.backends import xla
+
+    if xla.installed():
+        return True
+    if not _STATE.warned_pjrt:
+        _STATE.warned_pjrt = True
+        warnings.warn(f"{XLA_PJRT_DEVICE}={os.environ[XLA_PJRT_DEVICE]} is set but torch_xla is not installed: "
+                      f"torchspmd uses its native engine ({xla.INSTALL.split(' (')[0]} for the XLA backend)")
+    return False
+
+
 def _choose_backend(requested: str | None) -> str:
     name = requested or os.environ.get(ENV_BACKEND) or None
     if name is None:
+        if _xla_by_environment():
+            return "xla"
         return "cuda" if torch.cuda.is_available() else "cpu"
     name = name.lower()
     if name not in _BACKENDS:
@@ -78,10 +97,11 @@ def _choose_backend(requested: str | None) -> str:
             f"(or leave it unset to pick cuda when available, else cpu)"
         )
     if name == "xla":
-        raise SpmdError(
-            "use_spmd(backend='xla'): the torch_xla backend is not part of this version of "
-            "torchspmd yet; use backend='cpu' or 'cuda' (the native engine)"
-        )
+        from torchspmd.backends import xla
+
+        where = "use_spmd(backend='xla')" if requested else f"{ENV_BACKEND}=xla"
+        if not xla.installed():
+            xla.require(where)
     if name == "cuda" and not torch.cuda.is_available():
         raise SpmdError(
             "use_spmd(backend='cuda'): no CUDA device is visible to PyTorch "
@@ -101,7 +121,10 @@ def _parse_count(value: str, source: str) -> int:
 
 
 def _configured_local_devices(backend_name: str, num_devices: int | None = None) -> int:
-    """Devices this host should use when the script was not started by a launcher."""
+    """Processes this host should run when the script was not started by a launcher (one
+    per device; one for all devices on the XLA backend)."""
+    if backend_name == "xla":
+        return 1
     if num_devices is not None:
         if not isinstance(num_devices, int) or num_devices < 1:
             raise SpmdError(f"use_spmd(num_devices={num_devices!r}): give a positive integer")
@@ -119,24 +142,37 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     """Turn SPMD mode on. Call it first, before building models or tensors.
 
     Args:
-        auto: torch_xla's auto-sharding switch; not supported (raises if True).
-        backend: ``"cuda"`` or ``"cpu"``; default: ``$TORCHSPMD_BACKEND``, else cuda when
+        auto: torch_xla's auto-sharding switch; on the XLA backend it is handed to
+            torch_xla, on the native engine it is not supported (raises if True).
+        backend: ``"cuda"``, ``"cpu"`` or ``"xla"``; default: ``$TORCHSPMD_BACKEND``, else
+            xla when ``$PJRT_DEVICE`` is set and torch_xla is installed, else cuda when
             available, else cpu.
         num_devices: local devices (processes) to use when the script was started
             as plain ``python script.py``; default ``$TORCHSPMD_NUM_DEVICES``, else every
-            CUDA device, else ``$CPU_NUM_DEVICES`` on CPU, else 1.
+            CUDA device, else ``$CPU_NUM_DEVICES`` on CPU, else 1. On the XLA backend one
+            process drives every device PJRT shows (``CPU_NUM_DEVICES`` on CPU).
 
     With more than one device and no launcher, this call re-launches the script once
-    per device and never returns in the parent: it exits with the children's status.
+    per device (native engine) and never returns in the parent: it exits with the
+    children's status.
     """
-    if auto:
-        raise SpmdError(
-            "use_spmd(auto=True): auto-sharding is not supported by torchspmd; "
-            "annotate shardings with mark_sharding / FSDPv2 instead"
-        )
     if _STATE.spmd:
         return
     name = _choose_backend(backend)
+    if name == "xla":
+        from torchspmd.backends import xla
+
+        if num_devices is None and os.environ.get(ENV_NUM_DEVICES):
+            num_devices = _parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES)
+        _STATE.device = xla.start(bool(auto), num_devices)
+        _STATE.backend = name
+        _STATE.spmd = True
+        return
+    if auto:
+        raise SpmdError(
+            "use_spmd(auto=True): auto-sharding is torch_xla's (the XLA backend); the native engine does not "
+            "support it: annotate shardings with mark_sharding / FSDPv2 instead"
+        )
     if not _launched() and not dist.is_initialized():
         n = _configured_local_devices(name, num_devices)
         if n > 1:
@@ -192,27 +228,46 @@ def is_spmd() -> bool:
     return _STATE.spmd
 
 
+def _xla() -> bool:
+    """The XLA backend is in use, or will be when ``use_spmd()`` is called."""
+    if _STATE.backend is not None:
+        return _STATE.backend == "xla"
+    name = (os.environ.get(ENV_BACKEND) or "").lower()
+    return name == "xla" if name else _xla_by_environment()
+
+
+def _xla_call(name: str):
+    from torchspmd.backends import xla
+
+    xla.require()
+    return getattr(xla, name)()
+
+
 def backend() -> str:
-    """The engine chosen by ``use_spmd()``: ``"cuda"`` (NCCL) or ``"cpu"`` (gloo)."""
+    """The engine chosen by ``use_spmd()``: ``"cuda"`` (NCCL), ``"cpu"`` (gloo) or
+    ``"xla"`` (torch_xla)."""
     _require_spmd("torchspmd.backend()")
     assert _STATE.backend is not None
     return _STATE.backend
 
 
 def device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK`` or ``cpu``. Put models and data here."""
+    """This process's device: ``cuda:LOCAL_RANK``, ``cpu``, or torch_xla's device. Put
+    models and data here."""
     _require_spmd("torchspmd.device()")
     assert _STATE.device is not None
     return _STATE.device
 
 
 def device_type() -> str:
-    """``"cuda"`` or ``"cpu"``."""
+    """``"cuda"``, ``"cpu"`` or ``"xla"`` (the type of ``device()``)."""
     return device().type
 
 
 def global_runtime_device_count() -> int:
     """Devices in the whole job (one process per device)."""
+    if _xla():
+        return _xla_call("global_runtime_device_count")
     if dist.is_initialized():
         return dist.get_world_size()
     if _launched():
@@ -220,11 +275,17 @@ def global_runtime_device_count() -> int:
     return _configured_local_devices(_choose_backend(None))
 
 
-global_device_count = global_runtime_device_count
+def global_device_count() -> int:
+    """Devices in the whole job."""
+    if _xla():
+        return _xla_call("global_device_count")
+    return global_runtime_device_count()
 
 
 def local_device_count() -> int:
     """Devices on this host."""
+    if _xla():
+        return _xla_call("local_device_count")
     if _launched():
         return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if dist.is_initialized():
@@ -232,12 +293,23 @@ def local_device_count() -> int:
     return _configured_local_devices(_choose_backend(None))
 
 
-addressable_runtime_device_count = local_device_count
-addressable_device_count = local_device_count
+def addressable_runtime_device_count() -> int:
+    """Devices this process drives: one on the native engine, all of its host's on XLA."""
+    if _xla():
+        return _xla_call("addressable_runtime_device_count")
+    return local_device_count()
+
+
+def addressable_device_count() -> int:
+    if _xla():
+        return _xla_call("addressable_device_count")
+    return local_device_count()
 
 
 def global_ordinal() -> int:
     """This process's (device's) index in the job: its rank."""
+    if _xla():
+        return _xla_call("global_ordinal")
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
@@ -245,20 +317,28 @@ def global_ordinal() -> int:
 
 def local_ordinal() -> int:
     """This process's device index on its host."""
+    if _xla():
+        return _xla_call("local_ordinal")
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def process_index() -> int:
     """Index of this process; equal to ``global_ordinal()`` (one process per device)."""
+    if _xla():
+        return _xla_call("process_index")
     return global_ordinal()
 
 
 def process_count() -> int:
     """Number of processes in the job; equal to ``global_runtime_device_count()``."""
+    if _xla():
+        return _xla_call("process_count")
     return global_runtime_device_count()
 
 
 def world_size() -> int:
+    if _xla():
+        return _xla_call("world_size")
     return global_runtime_device_count()
 
 
@@ -268,11 +348,18 @@ def step() -> Iterator[None]:
 
     Inside, the step is annotated for the PyTorch profiler; on leaving it normally the
     step counter (``current_step()``) advances. Work is issued eagerly by the native
-    engine, so there is no graph to flush: results are ready when read.
+    engine, so there is no graph to flush: results are ready when read. On the XLA
+    backend this is ``torch_xla.step()``: the step's graph is compiled and run on leaving.
     """
     _require_spmd("torchspmd.step()")
-    with torch.profiler.record_function(f"torchspmd.step#{_STATE.step}"):
-        yield
+    if _STATE.backend == "xla":
+        from torchspmd.backends import xla
+
+        with xla.step():
+            yield
+    else:
+        with torch.profiler.record_function(f"torchspmd.step#{_STATE.step}"):
+            yield
     _STATE.step += 1
 
 

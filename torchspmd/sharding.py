@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from torchspmd import _boundary, runtime
+from torchspmd._delegate import OnXla, on_xla
 from torchspmd._chunks import block_of
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
@@ -57,9 +58,11 @@ def _axis_index(mesh: Mesh, entry: Any, where: str) -> int:
     )
 
 
-def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = None, api: str = "partition_spec"):
+def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = None, api: str = "partition_spec",
+                           mesh_order: bool = True):
     """Check ``partition_spec`` against ``mesh`` (and a tensor of ``ndim`` dims) and return,
-    per tensor dim, the tuple of mesh axis indices that split it."""
+    per tensor dim, the tuple of mesh axis indices that split it. ``mesh_order``: the axes
+    of a tuple entry must follow the mesh's order (DTensor's limit; XLA has none)."""
     if not isinstance(mesh, Mesh):
         raise SpmdError(f"{api}: mesh must be a torchspmd Mesh, got {type(mesh).__name__}")
     if not isinstance(partition_spec, (tuple, list)):
@@ -82,7 +85,7 @@ def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = N
             if any(type(x) in (tuple, list) for x in entry):
                 raise SpmdError(f"{where} = {entry!r}: partition spec cannot contain nested tuples")
             axes = tuple(_axis_index(mesh, x, where) for x in entry)
-            if list(axes) != sorted(axes):
+            if mesh_order and list(axes) != sorted(axes):
                 raise SpmdError(
                     f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order "
                     f"{tuple(mesh.shape().keys())}; reorder the tuple (or the mesh axes)"
@@ -116,6 +119,7 @@ def _coord_of(mesh: Mesh, rank: int) -> tuple[int, ...]:
     return tuple(int(i) for i in where[0])
 
 
+@on_xla
 def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> DTensor:
     """Shard ``t`` over ``mesh`` as ``partition_spec`` says and return it as a DTensor of the
     same global shape.
@@ -125,6 +129,9 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     (an activation) stays differentiable. An ``nn.Parameter`` comes back as an
     ``nn.Parameter``: assign it back to its module (``m.weight = mark_sharding(m.weight,
     ...)``) before building the optimizer.
+
+    On the XLA backend torch_xla annotates ``t`` in place and ``t`` itself is returned
+    (moved to the device first if it was a CPU tensor).
     """
     runtime._require_spmd("mark_sharding")
     if not isinstance(t, torch.Tensor):
@@ -157,6 +164,7 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     return out
 
 
+@on_xla
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     """Drop the sharding: the whole value as a plain tensor on every process."""
     if isinstance(t, DTensor):
@@ -164,10 +172,12 @@ def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@on_xla
 def get_sharding(t: torch.Tensor) -> PartitionSpec | None:
     """The partition spec of a DTensor (axis names where the mesh has them), or None for a
     tensor that is not sharded. Pending reductions (``Partial``) are not shardings and
-    are not shown."""
+    are not shown. On the XLA backend the spec is read from torch_xla's annotation, against
+    the global mesh."""
     if not isinstance(t, DTensor):
         return None
     names = t.device_mesh.mesh_dim_names
@@ -179,13 +189,14 @@ def get_sharding(t: torch.Tensor) -> PartitionSpec | None:
 
 
 @dataclass
-class ShardingSpec:
+class ShardingSpec(metaclass=OnXla):
     """A reusable sharding: ``mesh`` and ``partition_spec``, checked at construction.
 
     ``minibatch=True`` (torch_xla's multi-host input mode) means each process's loader
     yields its own part of the global batch instead of the whole global batch.
     """
 
+    _xla_factory = "sharding_spec"
     mesh: Mesh
     partition_spec: PartitionSpec
     minibatch: bool = False
@@ -206,6 +217,7 @@ class ShardingSpec:
         return mark_sharding(t, self.mesh, self.partition_spec)
 
 
+@on_xla
 def visualize_sharding(t: DTensor, use_color: bool = True):
     """Print which device holds which block of a 1-D or 2-D tensor; returns the rich table."""
     from rich import box
@@ -252,4 +264,7 @@ def visualize_sharding(t: DTensor, use_color: bool = True):
     return table
 
 
-visualize_tensor_sharding = visualize_sharding
+@on_xla
+def visualize_tensor_sharding(t: DTensor, use_color: bool = True):
+    """torch_xla's name for ``visualize_sharding``."""
+    return visualize_sharding(t, use_color)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 
 _CLASSES: dict[type, type] = {}
@@ -23,6 +24,7 @@ def _checkpointed_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+@on_xla
 def checkpoint_module(module: nn.Module) -> nn.Module:
     """Recompute ``module``'s activations in backward instead of keeping them
     (non-reentrant ``torch.utils.checkpoint``). Apply it before ``FSDPv2``:

@@ -30,6 +30,7 @@ from torchspmd._boundary import (
     output_to_global,
     replace_marked,
 )
+from torchspmd._delegate import OnXla
 from torchspmd._errors import SpmdError
 from torchspmd.fsdp.wrap import recursive_wrap
 from torchspmd.mesh import Mesh, get_global_mesh
@@ -63,8 +64,12 @@ def _mp_policy(mixed_precision: Any):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-class SpmdFullyShardedDataParallel(nn.Module):
+class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
     """Fully sharded data parallelism on the named mesh.
+
+    On the XLA backend this builds torch_xla's ``SpmdFullyShardedDataParallel`` (with the
+    unwrapped module's state-dict keys, every batch output marked, and ``'bf16'`` mapped
+    to autocast); the other torchspmd-only options raise there.
 
     Args (torch_xla's, positional or keyword):
         module: the module to shard; it must define ``forward``.
@@ -91,6 +96,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
             ``torch.compile`` options); the root module too when nothing is wrapped below
             it. FSDP2's gathering and reducing stay outside the compiled code.
     """
+
+    _xla_factory = "fsdpv2"
 
     def __init__(
         self,

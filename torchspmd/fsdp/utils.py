@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
@@ -22,6 +23,7 @@ def _params(model_or_params) -> list[torch.Tensor]:
     return list(model_or_params)
 
 
+@on_xla
 @torch.no_grad()
 def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -52,6 +54,7 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor], max_nor
     return total
 
 
+@on_xla
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
     """The model's whole state as plain tensors, keyed like the unwrapped module, loadable
     into it with ``load_state_dict``. Every process must call it (it gathers); with
@@ -82,6 +85,7 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
+@on_xla
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> list[str]:
     """Load whole (unsharded) tensors into a sharded model: the counterpart of

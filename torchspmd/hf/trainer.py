@@ -183,6 +183,11 @@ class Trainer(transformers.Trainer):
             if config.get("xla_fsdp_grad_ckpt") and args.gradient_checkpointing:
                 args.gradient_checkpointing = False  # checkpoint_module does it, once per layer
             self._spmd_fsdp_config = config
+        elif args is not None and runtime.is_spmd() and runtime.backend() == "xla" \
+                and getattr(args.optim, "value", args.optim) == "adamw_torch_fused":
+            # transformers' default optimizer: fused AdamW runs on CUDA/CPU only, not on XLA devices
+            args = copy.copy(args)
+            args.optim = type(args.optim)("adamw_torch")
         super().__init__(model, args, *pargs, **kwargs)
         if self._spmd:
             self._spmd_wrap()
@@ -200,18 +205,12 @@ class Trainer(transformers.Trainer):
                 "before building TrainingArguments"
             )
         if runtime.backend() == "xla":
-            return None  # transformers' own torch_xla FSDPv2 path
+            return None  # transformers' own torch_xla FSDPv2 path (wrapping by _xla_wrap)
         return dict(cfg)
 
     def _spmd_wrap(self) -> None:
         import torchspmd as ts
-        from torchspmd.fsdp import (
-            FSDPv2,
-            checkpoint_module,
-            shard_in_place,
-            size_based_auto_wrap_policy,
-            transformer_auto_wrap_policy,
-        )
+        from torchspmd.fsdp import FSDPv2, checkpoint_module, shard_in_place
 
         cfg = self._spmd_fsdp_config
         # As transformers' torch_xla path: a (devices, 1) mesh, made the global mesh.
@@ -220,35 +219,9 @@ class Trainer(transformers.Trainer):
         ts.set_global_mesh(mesh)
         self._spmd_mesh = mesh
         model = self.model
-        policy = None
-        names = cfg.get("transformer_layer_cls_to_wrap") or []
-        if isinstance(names, str):
-            names = [names]
-        if names:
-            classes = set()
-            for name in names:
-                cls = get_module_class_from_name(model, name)
-                if cls is None:
-                    raise SpmdError(
-                        f"fsdp_config['transformer_layer_cls_to_wrap']: no module of class {name!r} in "
-                        f"{type(model).__name__}; see torchspmd.hf.fsdp_v2.find_layer_classes(model)"
-                    )
-                classes.add(cls)
-
-            def by_class(module, recurse, unwrapped_params, _classes=frozenset(classes)):
-                return transformer_auto_wrap_policy(module, recurse, unwrapped_params, _classes)
-            policy = by_class
-        elif cfg.get("min_num_params", 0) > 0:
-            def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
-                return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
-            policy = by_size
+        policy, checkpointing = _wrapping(model, cfg)
         # Layers become FSDPv2 units in place (no wrapper module): the model keeps its module
         # names, which PEFT's adapter saving and transformers' optimizer grouping walk.
-        checkpointing = bool(cfg.get("xla_fsdp_grad_ckpt"))
-        if checkpointing:
-            config = getattr(_unwrap_peft(model), "config", None)
-            if config is not None and getattr(config, "use_cache", False):
-                config.use_cache = False  # as transformers: the cache and recomputation don't mix
 
         def unit(module, *a, **k):
             return shard_in_place(checkpoint_module(module) if checkpointing else module, *a, **k)
@@ -283,7 +256,34 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._spmd:
             return self.model_wrapped
+        if getattr(self, "is_fsdp_xla_v2_enabled", False) and runtime.is_spmd() and runtime.backend() == "xla":
+            return self._xla_wrap(model)
         return super()._wrap_model(model, training, dataloader)
+
+    def _xla_wrap(self, model):
+        """transformers' torch_xla FSDPv2 wrapping, done with torchspmd's FSDPv2 (torch_xla's
+        class): its default output sharding marks every batch tensor of the output, where
+        transformers' marks only ``logits`` and fails on outputs without them (trl's
+        fused-LM-head loss)."""
+        from torchspmd.fsdp import FSDPv2, checkpoint_module
+
+        if isinstance(model, FSDPv2):
+            return model
+        policy, checkpointing = _wrapping(model, self.args.fsdp_config)
+
+        def unit(module, *a, **k):
+            return FSDPv2(checkpoint_module(module) if checkpointing else module, *a, **k)
+
+        return FSDPv2(model, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if optimizer is None and self.optimizer is None and getattr(self, "is_fsdp_xla_enabled", False):
+            # transformers 5.x, torch_xla FSDP: the optimizer's creation is put off until the
+            # model is wrapped and then never done (the wrapped model skips accelerate's
+            # prepare). torch_xla's FSDPv2 shards the parameters in place, so the optimizer
+            # made now holds the sharded parameters.
+            self.create_optimizer()
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # -- data ------------------------------------------------------------------------
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
@@ -373,6 +373,8 @@ class Trainer(transformers.Trainer):
 
     # -- saving and loading -----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._spmd and self._xla_wrapped():
+            return self._xla_save_model(output_dir, _internal_call)
         if not self._spmd:
             return super().save_model(output_dir, _internal_call)
         from torchspmd.fsdp import full_state_dict
@@ -382,6 +384,30 @@ class Trainer(transformers.Trainer):
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         dist.barrier()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _xla_wrapped(self) -> bool:
+        from torchspmd.fsdp import FSDPv2
+
+        return runtime.is_spmd() and runtime.backend() == "xla" and isinstance(self.model, FSDPv2)
+
+    def _xla_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
+        """A normal Hugging Face directory from the torch_xla FSDPv2 model (transformers'
+        own TPU save does not unwrap torch_xla's wrapper and writes its state dict, with
+        wrapper-prefixed keys, to pytorch_model.bin)."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from torchspmd.fsdp import full_state_dict
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = full_state_dict(self.model)  # the unwrapped model's keys, on the CPU
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.module.save_pretrained(output_dir, state_dict=state)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -439,6 +465,42 @@ class Trainer(transformers.Trainer):
             load_full_state_dict(self.model_wrapped, named, strict=False)
         else:
             load_full_state_dict(self.model_wrapped, weights, strict=True)
+
+
+def _wrapping(model: nn.Module, cfg: dict):
+    """The auto-wrap policy of transformers' FSDP config (layer classes by name, else a
+    parameter count) and whether to checkpoint each unit (which turns the model's KV
+    cache off, as transformers does)."""
+    from torchspmd.fsdp import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    policy = None
+    names = cfg.get("transformer_layer_cls_to_wrap") or []
+    if isinstance(names, str):
+        names = [names]
+    if names:
+        classes = set()
+        for name in names:
+            cls = get_module_class_from_name(model, name)
+            if cls is None:
+                raise SpmdError(
+                    f"fsdp_config['transformer_layer_cls_to_wrap']: no module of class {name!r} in "
+                    f"{type(model).__name__}; see torchspmd.hf.fsdp_v2.find_layer_classes(model)"
+                )
+            classes.add(cls)
+
+        def by_class(module, recurse, unwrapped_params, _classes=frozenset(classes)):
+            return transformer_auto_wrap_policy(module, recurse, unwrapped_params, _classes)
+        policy = by_class
+    elif cfg.get("min_num_params", 0) > 0:
+        def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
+            return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
+        policy = by_size
+    checkpointing = bool(cfg.get("xla_fsdp_grad_ckpt"))
+    if checkpointing:
+        config = getattr(_unwrap_peft(model), "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False  # as transformers: the cache and recomputation don't mix
+    return policy, checkpointing
 
 
 def _is_peft(model) -> bool:

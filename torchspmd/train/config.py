@@ -67,7 +67,8 @@ class OptimConfig:
 class MeshConfig:
     devices: int = _f(0, "processes (devices) on this host; 0: every CUDA device, else 2 CPU processes")
     data: int = _f(1, "replicas over an extra 'data' axis (hybrid sharding); the rest is 'fsdp'")
-    backend: str = _f("", "'cuda' or 'cpu'; empty: cuda when available")
+    backend: str = _f("", "'cuda', 'cpu' or 'xla'; empty: xla when PJRT_DEVICE is set and torch_xla is "
+                          "installed, else cuda when available, else cpu")
 
 
 @dataclass

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchspmd as ts
@@ -33,15 +32,23 @@ def _peak_flops() -> float | None:
 
 
 def _memory_gb() -> float:
-    """Peak memory of this device: CUDA allocations, or the process's peak RSS on CPU."""
+    """Peak memory of this device: CUDA allocations, an XLA device's peak use, or the
+    process's peak RSS on CPU."""
     if torch.cuda.is_available() and ts.backend() == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
+    if ts.backend() == "xla" and os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+        import torch_xla.core.xla_model as xm
+
+        info = xm.get_memory_info(ts.device())
+        return info.get("peak_bytes_used", info.get("bytes_used", 0)) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _device_count(cfg: TrainConfig) -> int | None:
     if cfg.mesh.devices:
         return cfg.mesh.devices
+    if ts.runtime._choose_backend(cfg.mesh.backend or None) == "xla":
+        return None  # torch_xla drives every device PJRT shows
     if os.environ.get(ts.runtime.ENV_NUM_DEVICES) or os.environ.get(ts.runtime.XLA_CPU_NUM_DEVICES):
         return None
     backend = cfg.mesh.backend or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,8 +72,8 @@ class _Metrics:
 
     FIELDS = ["step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gb", "skipped"]
 
-    def __init__(self, out: Path, tensorboard: bool, first_step: int):
-        self.on = dist.get_rank() == 0
+    def __init__(self, out: Path, tensorboard: bool, first_step: int, rank: int):
+        self.on = rank == 0
         self.path = out / "metrics.csv"
         self.tb = None
         if not self.on:
@@ -140,10 +147,13 @@ def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, 
     """Sample text (top-k 10, temperature 0.8); every process draws the same tokens."""
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     g = torch.Generator().manual_seed(seed)
+    fixed = ts.backend() == "xla"  # one shape, one compiled graph: right-pad (the model is causal)
     for _ in range(tokens):
-        ctx = torch.tensor([ids[-seq_len:]] * rows)
-        logits = logits_of(model(ctx))
-        last = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits)[0, -1].float().cpu()
+        window = ids[-seq_len:]
+        ctx = torch.tensor([window + [tokenizer.eos_id] * (seq_len - len(window)) if fixed else window] * rows)
+        logits = logits_of(model(ctx.to(ts.device())))
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        last = logits[0, len(window) - 1].float().cpu()
         top = torch.topk(last / 0.8, 10)
         nxt = int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)])
         if nxt == tokenizer.eos_id:
@@ -165,6 +175,17 @@ def _inject_kill(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _materialize(model, kind: str, seed: int, rank: int) -> None:
+    """Give a model built on the meta device real (initialised) parameters on the device."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=ts.device())
+    for n, b in model.named_buffers():
+        b.copy_(buffers[n])
+    torch.manual_seed(seed + 1 + rank)
+    init_weights(model, kind)
+    torch.manual_seed(seed)
+
+
 def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     r = cfg.checkpoint.resume
     if r == "none":
@@ -179,13 +200,13 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
 
 def run(cfg: TrainConfig) -> dict:
     ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = ts.process_index(), ts.global_runtime_device_count()
     out = Path(cfg.out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         print(f"torchspmd train: {world} device(s), backend {ts.backend()}, output {out}\n")
         print(cfg.to_toml())
-    dist.barrier()
+    ckpt._barrier()
     torch.manual_seed(cfg.seed)
 
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
@@ -215,6 +236,9 @@ def run(cfg: TrainConfig) -> dict:
         return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
 
     wrapper = checkpointed if cfg.precision.checkpointing else None
+    on_xla = ts.backend() == "xla"
+    if cfg.model.meta_init and on_xla:  # lazy tensors: nothing is allocated until marked sharded and run
+        _materialize(model, info["kind"], cfg.seed, rank)
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
                       extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
                       compile=cfg.compile)
@@ -222,14 +246,8 @@ def run(cfg: TrainConfig) -> dict:
         compiled = sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable",
                                                              None) is not None)
         print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
-    if cfg.model.meta_init:
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        model.to_empty(device=ts.device())
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
-        torch.manual_seed(cfg.seed + 1 + rank)  # each shard draws its own values
-        init_weights(model, info["kind"])
-        torch.manual_seed(cfg.seed)
+    if cfg.model.meta_init and not on_xla:
+        _materialize(model, info["kind"], cfg.seed, rank)  # each shard draws its own values
     n_params = sum(p.numel() for p in model.parameters())
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -260,7 +278,7 @@ def run(cfg: TrainConfig) -> dict:
                                                   batch_size=micro)
         eval_batches = ts.MpDeviceLoader(eval_loader, ts.device(), input_sharding=spec)
 
-    metrics = _Metrics(out, cfg.logging.tensorboard, step)
+    metrics = _Metrics(out, cfg.logging.tensorboard, step, rank)
     peak = _peak_flops()
     tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len
     flops_per_token = 6 * n_params
