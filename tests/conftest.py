@@ -1,7 +1,11 @@
+import importlib.util
 import os
 import sys
 
 import pytest
+
+# tests/xla/ runs in the torch_xla environment (see .ci/xla_env and the README's test command).
+collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _pool import Pool  # noqa: E402

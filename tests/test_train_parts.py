@@ -119,3 +119,43 @@ def test_byte_and_local_tokenizers(tmp_path):
     hf = tdata.make_tokenizer(str(path))
     assert hf.eos_id == t.token_to_id("</s>") and hf.vocab_size == t.get_vocab_size()
     assert hf.decode(hf.encode("return x")).replace(" ", "") == "returnx"
+
+
+def _legacy_checkpoint(directory):
+    """A checkpoint in the layout before the optimizer's groups were one value (DCP had
+    flattened the list of groups into a key per entry) still loads."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from torchspmd import checkpoint as ckpt
+
+    def make():
+        torch.manual_seed(0)
+        model = ts.FSDPv2(torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)),
+                          ts.Mesh(np.arange(2), (2,), ("fsdp",)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    model, opt = make()
+    F.mse_loss(model(torch.randn(4, 5)), torch.zeros(4, 3)).backward()
+    opt.step()
+    old = ckpt._optim_state(model, opt)
+    old["param_groups"] = pickle.loads(old["param_groups"])  # the former layout: a list of dicts
+    path = f"{directory}/step-00000001"
+    dcp.save({"model": model.state_dict(), "optim": old}, checkpoint_id=path)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"step": 1}, f"{path}/state.pt")
+    torch.distributed.barrier()
+    flat = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    fresh, fresh_opt = make()
+    fresh_opt.param_groups[0]["lr"] = 0.5
+    ckpt.load(path, fresh, fresh_opt)
+    same = all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in zip(model.parameters(), fresh.parameters()))
+    moments = all(torch.equal(opt.state[p]["exp_avg"].full_tensor(), fresh_opt.state[q]["exp_avg"].full_tensor())
+                  for p, q in zip(model.parameters(), fresh.parameters()))
+    return "optim.param_groups.0.lr" in flat, same, moments, fresh_opt.param_groups[0]["lr"]
+
+
+def test_checkpoint_of_the_former_layout_loads(dist, tmp_path):
+    for flattened, same, moments, lr in dist(2).run(_legacy_checkpoint, str(tmp_path)):
+        assert flattened and same and moments and lr == 0.01

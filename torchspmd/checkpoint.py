@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -80,14 +81,25 @@ def _ensure_optim_state(optimizer) -> None:
 
 
 def _optim_state(model, optimizer) -> dict:
-    """The optimizer's state keyed by parameter names (so that it can be resharded)."""
+    """The optimizer's state keyed by parameter names (so that it can be resharded). The
+    groups (hyper-parameters) are one pickled value: DCP's planner flattens containers
+    into per-key entries and torch_xla's keeps those without tensors whole, so one value is
+    what both engines store alike."""
     names = _names(model)
     sd = optimizer.state_dict()
     ids = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     state = {ids[i]: v for i, v in sd["state"].items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[i] for i in g["params"]]}
               for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": pickle.dumps(groups)}
+
+
+def _as_saved(optim_sd: dict, keys, prefix: str = "optim") -> dict:
+    """The optimizer target in the layout of a checkpoint written before the groups were
+    one value (DCP had flattened them, a key per group entry)."""
+    if f"{prefix}.param_groups" not in keys and f"{prefix}.param_groups.0.lr" in keys:
+        optim_sd = {**optim_sd, "param_groups": pickle.loads(optim_sd["param_groups"])}
+    return optim_sd
 
 
 def _load_optim_state(model, optimizer, named: dict) -> None:
@@ -97,10 +109,13 @@ def _load_optim_state(model, optimizer, named: dict) -> None:
     missing = [n for n in order if n not in named["state"]]
     if missing:
         raise SpmdError(f"checkpoint: no optimizer state for {missing[0]!r}; it was saved from another model")
+    groups = named["param_groups"]
+    if isinstance(groups, bytes):
+        groups = pickle.loads(groups)
     optimizer.load_state_dict({
         "state": {index[n]: v for n, v in named["state"].items() if n in index},
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
-                         for g in named["param_groups"]],
+                         for g in groups],
     })
 
 
@@ -158,7 +173,7 @@ def load(path: str | Path, model, optimizer) -> dict:
         if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
             raise SpmdError(f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and {tuple(value.shape)} "
                             f"in this model; it was saved from a model of another shape")
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": _as_saved(optim_sd, meta.state_dict_metadata)}
     if _on_xla():  # loads in place into the sharded device tensors
         from torchspmd.backends import xla
 

@@ -368,20 +368,39 @@ def loader(cls, loader, device, *, input_sharding=None, **kwargs):
 
 
 def shard_batch(batch: Any, input_sharding, device=None) -> Any:
-    import torch_xla.core.xla_model as xm
-
+    """Each tensor moved to the device and marked as its spec says (a tensor the spec does
+    not fit stays replicated, as in torch_xla's loader). Marked after the transfer: torch_xla
+    2.9's sharded host-to-device transfer fails for 1-D tensors split over part of a mesh."""
     _check_input_sharding(input_sharding, "shard_batch")
+    if input_sharding is None:
+        raise SpmdError("shard_batch(input_sharding=...): give a ShardingSpec or a dict of them")
     device = device if device is not None else _device()
+
+    def place(t, spec):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if spec.minibatch:
+            raise SpmdError("shard_batch(input_sharding=...): minibatch=True specs describe per-process parts; "
+                            "shard_batch takes the whole batch")
+        t = t.to(device)
+        if spec.can_apply(t):
+            _xs().mark_sharding(t, spec.mesh, spec.partition_spec)
+        return t
+
     if isinstance(input_sharding, dict):
         if not isinstance(batch, dict):
             raise SpmdError("shard_batch: input_sharding is a dict, so the batch must be a dict with the same keys")
-        missing = [k for k in batch if k not in input_sharding]
+        missing = [k for k in batch if isinstance(batch[k], torch.Tensor) and k not in input_sharding]
         if missing:
             raise KeyError(f"shard_batch: input_sharding has no spec for batch key {missing[0]!r}")
-        return {k: xm.send_cpu_data_to_device(v, device, input_sharding[k])[0] if isinstance(v, torch.Tensor)
-                else v for k, v in batch.items()}
-    moved = xm.send_cpu_data_to_device(batch, device, input_sharding)
-    return moved[0] if isinstance(batch, torch.Tensor) else moved
+        return {k: place(v, input_sharding.get(k)) for k, v in batch.items()}
+    if isinstance(batch, torch.Tensor):
+        return place(batch, input_sharding)
+    if isinstance(batch, dict):
+        return {k: place(v, input_sharding) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(place(v, input_sharding) for v in batch)
+    return batch
 
 
 def replicate(module: nn.Module, mesh=None, *, data_axes=None, shard_output: Callable | None = None, **ddp_kwargs):

@@ -435,11 +435,12 @@ class Trainer(transformers.Trainer):
                             f"it was not written by torchspmd.hf.Trainer, or its save did not finish")
         import torch.distributed.checkpoint as dcp
 
-        from torchspmd.checkpoint import _ensure_optim_state, _load_optim_state, _optim_state
+        from torchspmd.checkpoint import _as_saved, _ensure_optim_state, _load_optim_state, _optim_state
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         _ensure_optim_state(optimizer)
-        state = {"optim": _optim_state(self.model_wrapped, optimizer)}
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {"optim": _as_saved(_optim_state(self.model_wrapped, optimizer), keys)}
         dcp.load(state, checkpoint_id=path)
         _load_optim_state(self.model_wrapped, optimizer, state["optim"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
