@@ -80,11 +80,11 @@ def test_exact_resume(tmp_path):
 def test_resume_on_another_device_count(tmp_path, first, second):
     straight, moved = tmp_path / "straight", tmp_path / "moved"
     train(straight, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=first)
-    train(moved, "--optim.max_steps", "3", "--checkpoint.every", "3", devices=first)
-    r = train(moved, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=second)
+    r = train(moved, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=second,
+              *("--checkpoint.resume", str(straight / "checkpoints" / "step-00000003")))
     assert f"{second} device(s)" in r.stdout and "saved on " + str(first) in r.stdout
     a, b = losses(straight), losses(moved)
-    assert [a[s] for s in range(1, 4)] == [b[s] for s in range(1, 4)]
+    assert sorted(b) == [4, 5, 6]
     for s in range(4, 7):
         assert b[s] == pytest.approx(a[s], rel=1e-4)
 

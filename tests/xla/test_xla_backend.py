@@ -125,6 +125,15 @@ def test_sharding_spec_and_loader_shard_the_inputs(ts):
     assert seen(both["b"]) == expected((2, 2), ("data", "fsdp"), ("data",))
 
 
+def test_visualize_and_clear_sharding(ts, capsys):
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("data", "fsdp"))
+    t = ts.mark_sharding(torch.randn(4, 6), mesh, ("data", "fsdp"))
+    ts.visualize_tensor_sharding(t, use_color=False)
+    shown = capsys.readouterr().out
+    assert all(f"CPU {i}" in shown for i in range(4))  # torch_xla's table: one block per device
+    assert ts.clear_sharding(t) is t and seen(t) == ""
+
+
 def test_bad_partition_specs_are_named(ts):
     mesh = ts.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
     x = torch.randn(4, 4)
