@@ -15,7 +15,9 @@ Adam, one FSDP unit per decoder layer):
 - ``fsdpv2-compile``: torchspmd FSDPv2 with ``compile=True``;
 - ``xla``: torch_xla's FSDPv2 in one process driving n CPU devices, when a virtual
   environment with torch_xla is found (``$TORCHSPMD_XLA_PYTHON`` or
-  ``~/.cache/torchspmd/xla-venv``).
+  ``~/.cache/torchspmd/xla-venv``);
+- ``xla-torchspmd``: the same program written with torchspmd's API on its XLA backend
+  (what torchspmd's delegation costs over torch_xla itself).
 
 Models: ``seed``, the 107M-parameter seed decoder (vocab 3200, dim 1024, 8 layers, MLP
 4096), and ``llama``, a transformers Llama of the same shape built from a config. The
@@ -47,10 +49,11 @@ from _common import per_process_loader, run_worker, timed_steps, write_result  #
 SEED = dict(vocab_size=3200, dim=1024, num_layers=8, num_heads=8, intermediate_size=4096, max_seq_len=64)
 SMALL = dict(vocab_size=3200, dim=384, num_layers=4, num_heads=6, intermediate_size=1536, max_seq_len=64)
 BATCH, SEQ = 4, 64
-STRATEGIES = ["single", "ddp", "fsdp2", "fsdpv2", "fsdpv2-native", "fsdpv2-compile", "xla"]
+STRATEGIES = ["single", "ddp", "fsdp2", "fsdpv2", "fsdpv2-native", "fsdpv2-compile", "xla", "xla-torchspmd"]
+XLA = ("xla", "xla-torchspmd")
 NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2",
          "fsdpv2-native": "torchspmd FSDPv2, FSDP2's collectives", "fsdpv2-compile": "torchspmd FSDPv2, compile",
-         "xla": "torch_xla FSDPv2 (one process)"}
+         "xla": "torch_xla FSDPv2 (one process)", "xla-torchspmd": "torchspmd FSDPv2 on the XLA backend (one process)"}
 
 
 def _xla_python() -> str | None:
@@ -139,8 +142,11 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30)
 
 
-def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
-    """torch_xla's own FSDPv2 on PJRT_DEVICE=CPU devices, one process (torch_xla's venv)."""
+def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str, api: str) -> None:
+    """FSDPv2 on PJRT_DEVICE=CPU devices, one process (torch_xla's venv): written with
+    torch_xla's API (``api="xla"``) or with torchspmd's on its XLA backend."""
+    if api == "xla-torchspmd":
+        return _torchspmd_xla_worker(model_name, size, steps, warmup, result)
     import functools
     import time
 
@@ -187,10 +193,49 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str)
     write_result(result, "xla", BATCH * SEQ, times, state_gb=state / 2**30)
 
 
-def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path) -> dict | None:
+def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
+    """The loop above written with torchspmd's API (the torchspmd program, unchanged)."""
+    import functools
+    import time
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import torchspmd as ts
+
+    ts.use_spmd()
+    assert ts.backend() == "xla"
+    model, layer_cls, vocab = _build(model_name, size)
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
+    model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), ts.device(),
+                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
+    times = []
+    for step, (x, y) in enumerate(loader):
+        t0 = time.perf_counter()
+        with ts.step():
+            out = model(x)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        loss.item()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 / n  # params, grads, 2 Adam moments
+    write_result(result, "xla-torchspmd", BATCH * SEQ, times, state_gb=state / 2**30)
+
+
+def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
+             api: str = "xla") -> dict | None:
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    r = subprocess.run([python, __file__, "--xla-worker", "--models", model, "--size", size, "--steps", str(steps),
+    r = subprocess.run([python, __file__, "--xla-worker", api, "--models", model, "--size", size, "--steps", str(steps),
                         "--warmup", str(warmup), "--result", str(result)], env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         print(f"torch_xla run failed ({model}, x{nproc}):\n{r.stderr[-2000:]}")
@@ -207,8 +252,8 @@ def _table(rows: list[dict], title: str) -> list[str]:
     for r in rows:
         base = next((x["tokens_per_s"] for x in rows if x["strategy"] == "fsdp2" and x["nproc"] == r["nproc"]), None)
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
-        procs = f"1 ({r['nproc']} devices)" if r["strategy"] == "xla" else str(r["nproc"])
-        rss = f"{r['peak_rss_gb']:.2f}" + (" (all devices)" if r["strategy"] == "xla" else "")
+        procs = f"1 ({r['nproc']} devices)" if r["strategy"] in XLA else str(r["nproc"])
+        rss = f"{r['peak_rss_gb']:.2f}" + (" (all devices)" if r["strategy"] in XLA else "")
         lines.append(f"| {NAMES[r['strategy']]} | {procs} | {r['tokens_per_s']:.0f} | {ratio} | {rss} | "
                      f"{r['state_gb']:.3f} |")
     return lines + [""]
@@ -252,13 +297,13 @@ def main() -> None:
                    help="merge this run's rows into bench/results/suite.json (same model, strategy and processes "
                         "replaced) and write the tables again")
     p.add_argument("--worker")
-    p.add_argument("--xla-worker", action="store_true")
+    p.add_argument("--xla-worker", choices=XLA)
     p.add_argument("--result")
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.models[0], a.size, a.steps, a.warmup, a.result)
     if a.xla_worker:
-        return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result)
+        return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result, a.xla_worker)
     (HERE / "results").mkdir(exist_ok=True)
     xla = _xla_python()
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
@@ -269,8 +314,8 @@ def main() -> None:
             (s, n) for n in a.nproc for s in a.strategies if s != "single"]
         for strategy, nproc in runs:
             tmp = HERE / "results" / f".{strategy}{nproc}.json"
-            if strategy == "xla":
-                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp) if xla else None
+            if strategy in XLA:
+                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy) if xla else None
             else:
                 row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
                                  nproc, tmp)

@@ -568,33 +568,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = Tr
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> list[str]:
     import torch_xla
 
-    from torchspmd.fsdp.utils import _aliases
+    from torchspmd.fsdp.utils import _match
 
-    aliases = _aliases(model)
-    current = _clean_state_dict(model)
-    missing: list[str] = []
-    for key, cur in current.items():
-        src = state_dict.get(key)
-        if src is None and key in aliases:
-            src = state_dict.get(aliases[key])
-        if src is None:
-            src = next((state_dict[o] for o, first in aliases.items() if first == key and o in state_dict), None)
-        if src is None:
-            missing.append(key)
-            continue
-        if tuple(src.shape) != tuple(cur.shape):
-            raise SpmdError(f"load_full_state_dict: {key!r} has shape {tuple(src.shape)} in the state dict and "
-                            f"{tuple(cur.shape)} in the model; it comes from a model of another shape")
+    pairs, missing = _match(model, _clean_state_dict(model), state_dict, strict)
+    for _, cur, src in pairs:
         sharding = torch_xla._XLAC._get_xla_op_sharding(cur)
         cur.copy_(src.to(dtype=cur.dtype))
         if sharding is not None:  # an in-place copy drops the annotation: put it back
             torch_xla._XLAC._xla_mark_sharding(cur, sharding)
-    if strict and missing:
-        raise SpmdError(f"load_full_state_dict: no value for {missing[0]!r} ({len(missing)} keys missing); "
-                        f"pass strict=False to keep the model's own values for them")
-    unexpected = sorted(set(state_dict) - set(current) - set(aliases))
-    if strict and unexpected:
-        raise SpmdError(f"load_full_state_dict: the state dict has {unexpected[0]!r}, which this model lacks")
     sync()
     return missing
 

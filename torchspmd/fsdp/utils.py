@@ -93,34 +93,38 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     each keeps its own block, so nothing is communicated. A tied parameter may be given
     under either of its names. Returns the model's keys that got no value (an error with
     ``strict``)."""
-    aliases = _aliases(model)
-    current = model.state_dict()
     new: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
+    pairs, missing = _match(model, model.state_dict(), state_dict, strict)
+    for key, cur, src in pairs:
+        local_device = cur.to_local().device if isinstance(cur, DTensor) else cur.device
+        src = src.to(device=local_device, dtype=cur.dtype)
+        if isinstance(cur, DTensor):
+            src = distribute_tensor(src, cur.device_mesh, cur.placements, src_data_rank=None)
+        new[key] = src
+    model.load_state_dict(new, strict=False)
+    return missing
+
+
+def _match(model: nn.Module, current: dict, state_dict: dict, strict: bool):
+    """Pair each of the model's entries with its value in ``state_dict`` (a tied parameter
+    under any of its names): ``[(key, current, value)]`` and the keys without one. Shapes
+    must agree; with ``strict`` no key may be missing or left over."""
+    aliases = _aliases(model)
+    pairs, missing = [], []
     for key, cur in current.items():
-        src = state_dict.get(key)
-        if src is None and key in aliases:
-            src = state_dict.get(aliases[key])
-        if src is None:
-            for other, first in aliases.items():
-                if first == key and other in state_dict:
-                    src = state_dict[other]
+        names = [key, aliases.get(key)] + [other for other, first in aliases.items() if first == key]
+        src = next((state_dict[n] for n in names if n is not None and n in state_dict), None)
         if src is None:
             missing.append(key)
             continue
         if tuple(src.shape) != tuple(cur.shape):
             raise SpmdError(f"load_full_state_dict: {key!r} has shape {tuple(src.shape)} in the state dict and "
                             f"{tuple(cur.shape)} in the model; it comes from a model of another shape")
-        local_device = cur.to_local().device if isinstance(cur, DTensor) else cur.device
-        src = src.to(device=local_device, dtype=cur.dtype)
-        if isinstance(cur, DTensor):
-            src = distribute_tensor(src, cur.device_mesh, cur.placements, src_data_rank=None)
-        new[key] = src
+        pairs.append((key, cur, src))
     if strict and missing:
         raise SpmdError(f"load_full_state_dict: no value for {missing[0]!r} ({len(missing)} keys missing); "
                         f"pass strict=False to keep the model's own values for them")
     unexpected = sorted(set(state_dict) - set(current) - set(aliases))
     if strict and unexpected:
         raise SpmdError(f"load_full_state_dict: the state dict has {unexpected[0]!r}, which this model lacks")
-    model.load_state_dict(new, strict=False)
-    return missing
+    return pairs, missing

@@ -24,8 +24,9 @@ __all__ = ["use_fsdp_v2", "get_fsdp_config", "get_fsdp_training_args", "find_lay
 
 def use_fsdp_v2(**use_spmd_kwargs: Any) -> None:
     """Turn SPMD mode on (``torchspmd.use_spmd(**use_spmd_kwargs)``), as optimum-tpu's does
-    on TPU. Call it first: with several devices the program is started again, once per
-    device, from the top (as ``use_spmd`` does)."""
+    on TPU. Call it first: on the native engine with several devices the program is started
+    again, once per device, from the top (as ``use_spmd`` does); on the XLA backend
+    (``PJRT_DEVICE`` set) one process drives every device."""
     import torchspmd as ts
 
     ts.use_spmd(**use_spmd_kwargs)
