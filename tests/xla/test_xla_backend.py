@@ -73,6 +73,10 @@ def test_mesh_is_torch_xla_mesh(ts):
     assert isinstance(one, xs.Mesh) and one.mesh_shape == (4,)
     ts.set_global_mesh(mesh)
     assert ts.get_global_mesh() is mesh and xs.get_global_mesh() is mesh
+    hybrid = ts.HybridMesh(ici_mesh_shape=(2, 2), axis_names=("data", "fsdp"))  # one host of 4 CPU devices
+    assert isinstance(hybrid, xs.Mesh) and hybrid.get_logical_mesh().tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(ts.SpmdError, match=r"each host has 4 devices"):
+        ts.HybridMesh(ici_mesh_shape=(2, 1))
     with pytest.raises(ts.SpmdError, match=r"not mappable over 4 devices"):
         ts.Mesh(np.arange(2), (2,), ("x",))
     with pytest.raises(ts.SpmdError, match=r"axis name 'a' is repeated"):

@@ -196,9 +196,20 @@ def mesh(cls, device_ids, mesh_shape, axis_names=None):
 
 
 def hybrid_mesh(cls, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None):
-    return _remember(_xs().HybridMesh(ici_mesh_shape=tuple(ici_mesh_shape),
-                                      dcn_mesh_shape=None if dcn_mesh_shape is None else tuple(dcn_mesh_shape),
-                                      axis_names=None if axis_names is None else tuple(axis_names)))
+    """torch_xla's HybridMesh (laid out by the TPU topology) on TPUs; on other PJRT devices,
+    where torch_xla's needs TPU coordinates, the devices laid out host by host as on the
+    native engine."""
+    import torch_xla.core.xla_model as xm
+
+    if xm.xla_device_hw(_device()) == "TPU":
+        return _remember(_xs().HybridMesh(ici_mesh_shape=tuple(ici_mesh_shape),
+                                          dcn_mesh_shape=None if dcn_mesh_shape is None else tuple(dcn_mesh_shape),
+                                          axis_names=None if axis_names is None else tuple(axis_names)))
+    from torchspmd.mesh import hybrid_layout
+
+    _, _, full = hybrid_layout(ici_mesh_shape, dcn_mesh_shape, global_runtime_device_count(),
+                               addressable_runtime_device_count())
+    return mesh(cls, full.reshape(-1), full.shape, axis_names)
 
 
 _MESHES: list = []  # meshes built through torchspmd, newest last: get_sharding reads specs against them
