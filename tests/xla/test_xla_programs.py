@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torch_xla")
 
@@ -103,6 +104,13 @@ def test_train_same_losses_on_both_engines_and_checkpoints_cross_over(tmp_path):
     _close(native, xla, [2, 4], "eval_loss")
     ck = "checkpoints/step-00000002"
     assert (tmp_path / "xla" / ck / ".metadata").is_file() and (tmp_path / "xla" / ck / "state.pt").is_file()
+    # the XLA run's last checkpoint reads back as a plain model (what export and generate use)
+    from torchspmd.train.export import load_plain_model
+
+    a, b = (load_plain_model(str(tmp_path / e))[0].state_dict() for e in ("native", "xla"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=1e-5)
     # a checkpoint written by one engine resumes on the other: the steps after it are the same
     on_xla = train("xla", tmp_path / "n2x", "--optim.max_steps", "4",
                    "--checkpoint.resume", str(tmp_path / "native" / ck))
