@@ -1,4 +1,5 @@
-"""torchspmd: PyTorch/XLA's SPMD programming model on PyTorch's own distributed engine.
+"""torchspmd: PyTorch/XLA's SPMD programming model on PyTorch's own distributed engine,
+and on torch_xla itself on TPUs (the XLA backend, ``torchspmd/backends/xla.py``).
 
 Write the program for one device, annotate shardings on a named mesh, run it on every
 device. The public API lives here; see DESIGN.md and docs/.

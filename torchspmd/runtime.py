@@ -162,9 +162,14 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     if name == "xla":
         from torchspmd.backends import xla
 
+        source = "use_spmd(num_devices=...)"
         if num_devices is None and os.environ.get(ENV_NUM_DEVICES):
-            num_devices = _parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES)
-        _STATE.device = xla.start(bool(auto), num_devices)
+            num_devices, source = _parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES), ENV_NUM_DEVICES
+        had_group = dist.is_initialized()
+        _STATE.device = xla.start(bool(auto), num_devices, source)
+        if not had_group and dist.is_initialized():  # several hosts: a gloo group for checkpoints
+            _STATE.owns_process_group = True
+            atexit.register(_shutdown)
         _STATE.backend = name
         _STATE.spmd = True
         return
@@ -239,7 +244,8 @@ def _xla() -> bool:
 def _xla_call(name: str):
     from torchspmd.backends import xla
 
-    xla.require()
+    xla.require(f"torchspmd.{name}() ({ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}, "
+                f"{XLA_PJRT_DEVICE}={os.environ.get(XLA_PJRT_DEVICE, '')!r})")
     return getattr(xla, name)()
 
 

@@ -74,7 +74,9 @@ def test_mesh_is_torch_xla_mesh(ts):
     ts.set_global_mesh(mesh)
     assert ts.get_global_mesh() is mesh and xs.get_global_mesh() is mesh
     hybrid = ts.HybridMesh(ici_mesh_shape=(2, 2), axis_names=("data", "fsdp"))  # one host of 4 CPU devices
-    assert isinstance(hybrid, xs.Mesh) and hybrid.get_logical_mesh().tolist() == [[0, 1], [2, 3]]
+    assert isinstance(hybrid, xs.Mesh) and isinstance(hybrid, ts.HybridMesh) and isinstance(hybrid, ts.Mesh)
+    assert hybrid.get_logical_mesh().tolist() == [[0, 1], [2, 3]] and hybrid.ici_mesh_shape == (2, 2)
+    assert not isinstance(mesh, ts.HybridMesh)
     with pytest.raises(ts.SpmdError, match=r"each host has 4 devices"):
         ts.HybridMesh(ici_mesh_shape=(2, 1))
     with pytest.raises(ts.SpmdError, match=r"not mappable over 4 devices"):
@@ -83,12 +85,14 @@ def test_mesh_is_torch_xla_mesh(ts):
         ts.Mesh(np.arange(4), (2, 2), ("a", "a"))
 
 
-MESHES = {"4x1": ((4, 1), ("fsdp", "model")), "2x2": ((2, 2), ("data", "fsdp"))}
+MESHES = {"4x1": ((4, 1), ("fsdp", "model")), "2x2": ((2, 2), ("data", "fsdp")),
+          "4-axes": ((2, 1, 2, 1), ("a", "b", "c", "d"))}
 CASES = [
     ("4x1", (8, 6), ("fsdp", None)), ("4x1", (7, 5), (None, "fsdp")), ("4x1", (7, 5), ("model", None)),
     ("4x1", (6,), (None,)), ("4x1", (9, 3), (("fsdp", "model"), None)),
     ("2x2", (8, 6), ("data", None)), ("2x2", (7, 5), (None, "fsdp")), ("2x2", (7, 5), (("data", "fsdp"), None)),
     ("2x2", (6, 7), (("fsdp", "data"), None)), ("2x2", (5, 3, 7), ("fsdp", None, "data")), ("2x2", (9,), ("data",)),
+    ("4-axes", (3, 4, 5, 2), ("c", ("b", "d"), "a", None)), ("4-axes", (6, 2, 3, 5), (("c", "a"), None, None, "d")),
 ]
 
 
@@ -123,6 +127,10 @@ def test_sharding_spec_and_loader_shard_the_inputs(ts):
         assert seen(y) == "{replicated}"  # torch_xla leaves a tensor the spec doesn't fit replicated
         torch.testing.assert_close(x.cpu(), x0, rtol=0, atol=0)
         assert y.cpu().tolist() == y0.tolist()
+    with pytest.raises(ts.SpmdError, match=r"fixed_batch_size=True\) is not available on the XLA backend"):
+        ts.MpDeviceLoader(batches, ts.device(), input_sharding=spec, fixed_batch_size=True)
+    with pytest.raises(ts.SpmdError, match=r"no None values"):
+        ts.shard_batch({"a": torch.randn(6, 2)}, {"a": None})
     both = ts.shard_batch({"a": torch.randn(6, 2), "b": torch.randn(6)},
                           {"a": ts.ShardingSpec(mesh, ("fsdp", None)), "b": ts.ShardingSpec(mesh, ("data",))})
     assert seen(both["a"]) == expected((2, 2), ("data", "fsdp"), ("fsdp", None))
@@ -355,3 +363,15 @@ def test_replicate_is_data_parallel_under_gspmd(ts):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL)
     with pytest.raises(ts.SpmdError, match=r"replicate\(bucket_cap_mb=...\)"):
         ts.replicate(Net(), bucket_cap_mb=10)
+
+
+def test_a_device_count_pjrt_does_not_show_names_its_source():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", TORCHSPMD_NUM_DEVICES="2")
+    r = subprocess.run([sys.executable, "-c", "import torchspmd as ts; ts.use_spmd()"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "TORCHSPMD_NUM_DEVICES = 2: torch_xla drives all 4 devices of this host from one process" in r.stderr

@@ -80,6 +80,8 @@ def counterpart(factory: str):
         return None
     if factory == "mesh":
         return _xs().Mesh
+    if factory == "hybrid_mesh":
+        return (_xs().HybridMesh, _host_hybrid_class())
     if factory == "sharding_spec":
         return _xs().ShardingSpec
     if factory == "loader":
@@ -95,8 +97,12 @@ def counterpart(factory: str):
 
 # -- runtime ----------------------------------------------------------------------------
 
-def start(auto: bool, num_devices: int | None) -> torch.device:
-    """``use_spmd()`` on torch_xla: SPMD mode, one process for all local devices."""
+def start(auto: bool, num_devices: int | None, source: str = "use_spmd(num_devices=...)") -> torch.device:
+    """``use_spmd()`` on torch_xla: SPMD mode, one process for all local devices.
+    ``num_devices`` (named by ``source`` in errors) must match what PJRT shows; on the CPU
+    client it sets ``CPU_NUM_DEVICES`` when that is unset."""
+    if num_devices is not None and (type(num_devices) is not int or num_devices < 1):
+        raise SpmdError(f"{source}: {num_devices!r} is not a positive number of devices")
     if num_devices is not None and os.environ.get("PJRT_DEVICE", "").upper() == "CPU" \
             and not os.environ.get("CPU_NUM_DEVICES"):
         os.environ["CPU_NUM_DEVICES"] = str(num_devices)  # CPU PJRT reads it when the runtime starts
@@ -108,9 +114,9 @@ def start(auto: bool, num_devices: int | None) -> torch.device:
     have = xr.addressable_runtime_device_count()
     if num_devices is not None and num_devices != have:
         raise SpmdError(
-            f"use_spmd(num_devices={num_devices}): torch_xla drives all {have} devices of this host from one "
-            f"process and the count is fixed by PJRT (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', '')!r}, "
-            f"CPU_NUM_DEVICES on CPU); leave num_devices unset on the XLA backend"
+            f"{source} = {num_devices}: torch_xla drives all {have} devices of this host from one process and "
+            f"the count is fixed by PJRT (PJRT_DEVICE={os.environ.get('PJRT_DEVICE', '')!r}, CPU_NUM_DEVICES on "
+            f"the CPU client); leave it unset on the XLA backend"
         )
     if xr.process_count() > 1:
         import torch.distributed as dist
@@ -205,11 +211,25 @@ def hybrid_mesh(cls, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None):
         return _remember(_xs().HybridMesh(ici_mesh_shape=tuple(ici_mesh_shape),
                                           dcn_mesh_shape=None if dcn_mesh_shape is None else tuple(dcn_mesh_shape),
                                           axis_names=None if axis_names is None else tuple(axis_names)))
-    from torchspmd.mesh import hybrid_layout
+    from torchspmd.mesh import Mesh, hybrid_layout
 
-    _, _, full = hybrid_layout(ici_mesh_shape, dcn_mesh_shape, global_runtime_device_count(),
-                               addressable_runtime_device_count())
-    return mesh(cls, full.reshape(-1), full.shape, axis_names)
+    ici, dcn, full = hybrid_layout(ici_mesh_shape, dcn_mesh_shape, global_runtime_device_count(),
+                                   addressable_runtime_device_count())
+    view = type.__call__(Mesh, full.reshape(-1), full.shape, axis_names)  # torchspmd's checks of the names
+    out = _host_hybrid_class()(view.device_ids, view.mesh_shape, view.axis_names)
+    out.ici_mesh_shape, out.dcn_mesh_shape = ici, dcn
+    return _remember(out)
+
+
+_HOST_HYBRID = None
+
+
+def _host_hybrid_class():
+    """A torch_xla ``Mesh`` laid out host by host (``HybridMesh`` off TPUs)."""
+    global _HOST_HYBRID
+    if _HOST_HYBRID is None:
+        _HOST_HYBRID = type("HybridMesh", (_xs().Mesh,), {"__module__": __name__})
+    return _HOST_HYBRID
 
 
 _MESHES: list = []  # meshes built through torchspmd, newest last: get_sharding reads specs against them
@@ -318,10 +338,18 @@ def get_sharding(t: torch.Tensor):
 
 
 def _spec_on(mesh, ndim: int, text: str):
-    axes = list(range(len(mesh.mesh_shape)))
-    choices = [()] + [p for r in range(1, len(axes) + 1) for c in itertools.combinations(axes, r)
-                      for p in itertools.permutations(c)]
-    for combo in itertools.product(choices, repeat=ndim):
+    shape = tuple(mesh.mesh_shape)
+    if "]" not in text:
+        return None
+    tiles = [int(x) for x in text.split("[", 1)[1].split("]", 1)[0].split(",")][:ndim]
+    if len(tiles) != ndim:
+        return None
+    axes = [a for a in range(len(shape)) if shape[a] > 1]  # size-1 axes change nothing: left out
+    groups = [p for r in range(1, len(axes) + 1) for c in itertools.combinations(axes, r)
+              for p in itertools.permutations(c)]
+    # per tensor dim, only the axis groups whose sizes multiply to that dim's tile count
+    choices = [[()] if t == 1 else [g for g in groups if int(np.prod([shape[a] for a in g])) == t] for t in tiles]
+    for combo in itertools.product(*choices):
         flat = [a for axes_ in combo for a in axes_]
         if len(flat) != len(set(flat)):
             continue
@@ -371,10 +399,13 @@ def _check_input_sharding(input_sharding, api: str) -> None:
                             f"got {type(s).__name__}")
 
 
-def loader(cls, loader, device, *, input_sharding=None, **kwargs):
+def loader(cls, loader, device, *, input_sharding=None, fixed_batch_size: bool = False, **kwargs):
     from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
     _check_input_sharding(input_sharding, "MpDeviceLoader")
+    if fixed_batch_size:
+        raise SpmdError("MpDeviceLoader(fixed_batch_size=True) is not available on the XLA backend (torch_xla's "
+                        "loader has no such option); drop the odd last batch in the DataLoader (drop_last=True)")
     return MpDeviceLoader(loader, device, input_sharding=input_sharding, **kwargs)
 
 
@@ -383,8 +414,8 @@ def shard_batch(batch: Any, input_sharding, device=None) -> Any:
     not fit stays replicated, as in torch_xla's loader). Marked after the transfer: torch_xla
     2.9's sharded host-to-device transfer fails for 1-D tensors split over part of a mesh."""
     _check_input_sharding(input_sharding, "shard_batch")
-    if input_sharding is None:
-        raise SpmdError("shard_batch(input_sharding=...): give a ShardingSpec or a dict of them")
+    if input_sharding is None or (isinstance(input_sharding, dict) and any(v is None for v in input_sharding.values())):
+        raise SpmdError("shard_batch(input_sharding=...): give a ShardingSpec, or a dict of them (no None values)")
     device = device if device is not None else _device()
 
     def place(t, spec):
@@ -416,7 +447,8 @@ def shard_batch(batch: Any, input_sharding, device=None) -> Any:
 
 def replicate(module: nn.Module, mesh=None, *, data_axes=None, shard_output: Callable | None = None, **ddp_kwargs):
     """Data parallelism under GSPMD: parameters are replicated unless annotated, the batch's
-    input sharding splits the work, XLA reduces the gradients."""
+    input sharding splits the work (so ``data_axes`` has nothing to add and is not used),
+    XLA reduces the gradients."""
     if ddp_kwargs:
         raise SpmdError(f"replicate({', '.join(ddp_kwargs)}=...): DistributedDataParallel options have no meaning "
                         f"on the XLA backend, where GSPMD reduces the gradients; drop them")
@@ -463,6 +495,14 @@ def _fsdp_class():
                      auto_wrapper_callable=None, extra_data_axis=None, autocast_dtype=None):
             self._ts_rows = None
             default = shard_output is None
+            import torch_xla
+
+            for p in module.parameters():
+                # A parameter that already ran on the device carries an explicit "replicated"
+                # sharding, which torch_xla's FSDPv2 takes for the user's and leaves alone (a
+                # model evaluated before wrapping would stay whole): shard it like the others.
+                if p.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(p) == "{replicated}":
+                    torch_xla._XLAC._xla_clear_sharding(p)
 
             def shard_batch_outputs(output, mesh):
                 rows = self._ts_rows

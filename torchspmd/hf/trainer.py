@@ -256,8 +256,9 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._spmd:
             return self.model_wrapped
-        if getattr(self, "is_fsdp_xla_v2_enabled", False) and runtime.is_spmd() and runtime.backend() == "xla":
-            return self._xla_wrap(model)
+        if training and getattr(self, "is_fsdp_xla_v2_enabled", False) and runtime.is_spmd() \
+                and runtime.backend() == "xla":
+            return self._xla_wrap(model)  # (evaluation runs the model as it is, as transformers does)
         return super()._wrap_model(model, training, dataloader)
 
     def _xla_wrap(self, model):
@@ -277,7 +278,7 @@ class Trainer(transformers.Trainer):
         return FSDPv2(model, auto_wrap_policy=policy, auto_wrapper_callable=unit)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if optimizer is None and self.optimizer is None and getattr(self, "is_fsdp_xla_enabled", False):
+        if optimizer is None and self.optimizer is None and getattr(self, "is_fsdp_xla_v2_enabled", False):
             # transformers 5.x, torch_xla FSDP: the optimizer's creation is put off until the
             # model is wrapped and then never done (the wrapped model skips accelerate's
             # prepare). torch_xla's FSDPv2 shards the parameters in place, so the optimizer
@@ -469,16 +470,25 @@ class Trainer(transformers.Trainer):
 
 
 def _wrapping(model: nn.Module, cfg: dict):
-    """The auto-wrap policy of transformers' FSDP config (layer classes by name, else a
-    parameter count) and whether to checkpoint each unit (which turns the model's KV
-    cache off, as transformers does)."""
+    """The auto-wrap policy of transformers' FSDP config, as transformers' torch_xla path
+    reads it: a parameter count (``min_num_params``), else the layer classes by name
+    (``transformer_layer_cls_to_wrap``, else the model's ``_no_split_modules``); and whether
+    to checkpoint each unit (which turns the model's KV cache off, as transformers does)."""
     from torchspmd.fsdp import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     policy = None
-    names = cfg.get("transformer_layer_cls_to_wrap") or []
+    explicit = bool(cfg.get("transformer_layer_cls_to_wrap"))
+    names = cfg.get("transformer_layer_cls_to_wrap") or getattr(_unwrap_peft(model), "_no_split_modules", None) or []
     if isinstance(names, str):
         names = [names]
-    if names:
+    names = list(names)
+    if not explicit:  # the model's own list may name classes it does not use
+        names = [n for n in names if get_module_class_from_name(model, n) is not None]
+    if cfg.get("min_num_params", 0) > 0:
+        def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
+            return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
+        policy = by_size
+    elif names:
         classes = set()
         for name in names:
             cls = get_module_class_from_name(model, name)
@@ -492,10 +502,6 @@ def _wrapping(model: nn.Module, cfg: dict):
         def by_class(module, recurse, unwrapped_params, _classes=frozenset(classes)):
             return transformer_auto_wrap_policy(module, recurse, unwrapped_params, _classes)
         policy = by_class
-    elif cfg.get("min_num_params", 0) > 0:
-        def by_size(module, recurse, unwrapped_params, _n=int(cfg["min_num_params"])):
-            return size_based_auto_wrap_policy(module, recurse, unwrapped_params, min_num_params=_n)
-        policy = by_size
     checkpointing = bool(cfg.get("xla_fsdp_grad_ckpt"))
     if checkpointing:
         config = getattr(_unwrap_peft(model), "config", None)

@@ -199,7 +199,12 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
 
 
 def run(cfg: TrainConfig) -> dict:
-    ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
+    try:
+        ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
+    except SpmdError as e:
+        if cfg.mesh.devices and "num_devices" in str(e):
+            raise SpmdError(f"mesh.devices = {cfg.mesh.devices}: {e}") from None
+        raise
     rank, world = ts.process_index(), ts.global_runtime_device_count()
     out = Path(cfg.out_dir)
     if rank == 0:
