@@ -148,11 +148,10 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
     if api == "xla-torchspmd":
         return _torchspmd_xla_worker(model_name, size, steps, warmup, result)
     import functools
-    import time
 
     import numpy as np
     import torch
-    import torch.nn.functional as F
+    import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.distributed.spmd as xs
@@ -173,51 +172,24 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
 
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
     model = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     loader = pl.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), device,
                                input_sharding=xs.ShardingSpec(mesh, ("fsdp", None)))
-    times = []
-    for step, (x, y) in enumerate(loader):
-        t0 = time.perf_counter()
-        out = model(x)
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        xm.mark_step()
-        loss.item()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 / n  # params, grads, 2 Adam moments
-    write_result(result, "xla", BATCH * SEQ, times, state_gb=state / 2**30)
+    _xla_timed(model, loader, vocab, warmup, n, result, "xla", torch_xla.step)
 
 
-def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
-    """The loop above written with torchspmd's API (the torchspmd program, unchanged)."""
-    import functools
+def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, strategy: str, in_step) -> None:
+    """Adam steps over ``loader``, each inside ``in_step()`` (which runs its graph on leaving);
+    the result is written as ``strategy``'s."""
     import time
 
-    import numpy as np
     import torch
     import torch.nn.functional as F
 
-    import torchspmd as ts
-
-    ts.use_spmd()
-    assert ts.backend() == "xla"
-    model, layer_cls, vocab = _build(model_name, size)
-    n = ts.global_runtime_device_count()
-    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
-    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-    model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), ts.device(),
-                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     times = []
     for step, (x, y) in enumerate(loader):
         t0 = time.perf_counter()
-        with ts.step():
+        with in_step():
             out = model(x)
             logits = out if isinstance(out, torch.Tensor) else out.logits
             loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
@@ -228,7 +200,28 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 / n  # params, grads, 2 Adam moments
-    write_result(result, "xla-torchspmd", BATCH * SEQ, times, state_gb=state / 2**30)
+    write_result(result, strategy, BATCH * SEQ, times, state_gb=state / 2**30)
+
+
+def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
+    """The same program written with torchspmd's API."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    import torchspmd as ts
+
+    ts.use_spmd()
+    assert ts.backend() == "xla"
+    model, layer_cls, vocab = _build(model_name, size)
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
+    model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), ts.device(),
+                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
+    _xla_timed(model, loader, vocab, warmup, n, result, "xla-torchspmd", ts.step)
 
 
 def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
