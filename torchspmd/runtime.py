@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import sys
 import warnings
@@ -241,12 +242,22 @@ def _xla() -> bool:
     return name == "xla" if name else _xla_by_environment()
 
 
-def _xla_call(name: str):
-    from torchspmd.backends import xla
+def _on_xla_runtime(fn):
+    """On the XLA backend (in use, or to be chosen), the ``torch_xla.runtime`` function of
+    the same name answers instead (torch_xla's meaning of the count or index)."""
+    name = fn.__name__
 
-    xla.require(f"torchspmd.{name}() ({ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}, "
-                f"{XLA_PJRT_DEVICE}={os.environ.get(XLA_PJRT_DEVICE, '')!r})")
-    return getattr(xla, name)()
+    @functools.wraps(fn)
+    def call() -> int:
+        if not _xla():
+            return fn()
+        from torchspmd.backends import xla
+
+        xla.require(f"torchspmd.{name}() ({ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}, "
+                    f"{XLA_PJRT_DEVICE}={os.environ.get(XLA_PJRT_DEVICE, '')!r})")
+        return getattr(xla._xr(), name)()
+
+    return call
 
 
 def backend() -> str:
@@ -270,10 +281,9 @@ def device_type() -> str:
     return device().type
 
 
+@_on_xla_runtime
 def global_runtime_device_count() -> int:
     """Devices in the whole job (one process per device)."""
-    if _xla():
-        return _xla_call("global_runtime_device_count")
     if dist.is_initialized():
         return dist.get_world_size()
     if _launched():
@@ -281,17 +291,15 @@ def global_runtime_device_count() -> int:
     return _configured_local_devices(_choose_backend(None))
 
 
+@_on_xla_runtime
 def global_device_count() -> int:
     """Devices in the whole job."""
-    if _xla():
-        return _xla_call("global_device_count")
     return global_runtime_device_count()
 
 
+@_on_xla_runtime
 def local_device_count() -> int:
     """Devices on this host."""
-    if _xla():
-        return _xla_call("local_device_count")
     if _launched():
         return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if dist.is_initialized():
@@ -299,52 +307,45 @@ def local_device_count() -> int:
     return _configured_local_devices(_choose_backend(None))
 
 
+@_on_xla_runtime
 def addressable_runtime_device_count() -> int:
     """Devices this process drives: one on the native engine, all of its host's on XLA."""
-    if _xla():
-        return _xla_call("addressable_runtime_device_count")
     return local_device_count()
 
 
+@_on_xla_runtime
 def addressable_device_count() -> int:
-    if _xla():
-        return _xla_call("addressable_device_count")
     return local_device_count()
 
 
+@_on_xla_runtime
 def global_ordinal() -> int:
     """This process's (device's) index in the job: its rank."""
-    if _xla():
-        return _xla_call("global_ordinal")
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
+@_on_xla_runtime
 def local_ordinal() -> int:
     """This process's device index on its host."""
-    if _xla():
-        return _xla_call("local_ordinal")
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+@_on_xla_runtime
 def process_index() -> int:
     """Index of this process; equal to ``global_ordinal()`` (one process per device)."""
-    if _xla():
-        return _xla_call("process_index")
     return global_ordinal()
 
 
+@_on_xla_runtime
 def process_count() -> int:
     """Number of processes in the job; equal to ``global_runtime_device_count()``."""
-    if _xla():
-        return _xla_call("process_count")
     return global_runtime_device_count()
 
 
+@_on_xla_runtime
 def world_size() -> int:
-    if _xla():
-        return _xla_call("world_size")
     return global_runtime_device_count()
 
 

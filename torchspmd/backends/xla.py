@@ -128,46 +128,6 @@ def start(auto: bool, num_devices: int | None, source: str = "use_spmd(num_devic
     return torch_xla.device()
 
 
-def global_runtime_device_count() -> int:
-    return _xr().global_runtime_device_count()
-
-
-def global_device_count() -> int:
-    return _xr().global_device_count()
-
-
-def addressable_runtime_device_count() -> int:
-    return _xr().addressable_runtime_device_count()
-
-
-def addressable_device_count() -> int:
-    return _xr().addressable_device_count()
-
-
-def local_device_count() -> int:
-    return _xr().local_device_count()
-
-
-def global_ordinal() -> int:
-    return _xr().global_ordinal()
-
-
-def local_ordinal() -> int:
-    return _xr().local_ordinal()
-
-
-def process_index() -> int:
-    return _xr().process_index()
-
-
-def process_count() -> int:
-    return _xr().process_count()
-
-
-def world_size() -> int:
-    return _xr().world_size()
-
-
 @contextlib.contextmanager
 def step() -> Iterator[None]:
     import torch_xla
@@ -185,7 +145,7 @@ def sync() -> None:
 # -- meshes -----------------------------------------------------------------------------
 
 def _check_size(mesh) -> None:
-    n = global_runtime_device_count()
+    n = _xr().global_runtime_device_count()
     if int(np.prod(mesh.mesh_shape)) != n:
         raise SpmdError(
             f"Mesh of shape {tuple(mesh.mesh_shape)} is not mappable over {n} devices: the product of "
@@ -213,8 +173,8 @@ def hybrid_mesh(cls, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None):
                                           axis_names=None if axis_names is None else tuple(axis_names)))
     from torchspmd.mesh import Mesh, hybrid_layout
 
-    ici, dcn, full = hybrid_layout(ici_mesh_shape, dcn_mesh_shape, global_runtime_device_count(),
-                                   addressable_runtime_device_count())
+    ici, dcn, full = hybrid_layout(ici_mesh_shape, dcn_mesh_shape, _xr().global_runtime_device_count(),
+                                   _xr().addressable_runtime_device_count())
     view = type.__call__(Mesh, full.reshape(-1), full.shape, axis_names)  # torchspmd's checks of the names
     out = _host_hybrid_class()(view.device_ids, view.mesh_shape, view.axis_names)
     out.ici_mesh_shape, out.dcn_mesh_shape = ici, dcn
@@ -606,7 +566,7 @@ def _clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
-    keep = not rank0_only or process_index() == 0
+    keep = not rank0_only or _xr().process_index() == 0
     out = {}
     for key, value in _clean_state_dict(model).items():
         value = value.detach()
