@@ -3,15 +3,16 @@
 Each worker process joins a process group through the same environment torchrun
 provides and calls ``torchspmd.use_spmd()`` once; tests then send it module-level
 functions to run on every rank at once and get back each rank's result. Starting the
-processes once per session keeps the suite fast; a worker that hangs or dies fails
-its test and the pool is started again for the next one.
+processes once per session keeps the suite fast; a worker that hangs, dies or raises
+fails its test and the pool is started again for the next one. Each task's changes to
+``os.environ`` are undone after it.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 import os
-import pickle
 import queue
 import signal
 import socket
@@ -52,12 +53,18 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> Non
         if msg is None:
             break
         fn, args, kwargs = msg
+        saved = dict(os.environ)
         try:
             result = fn(*args, **kwargs)
-            pickle.dumps(result)  # fail here, visibly, rather than in the queue's feeder thread
+            # Fail here, visibly, rather than in the queue's feeder thread (which pickles with
+            # torch's reductions: they refuse, for one, non-leaf tensors that require grad).
+            ForkingPickler.dumps(result)
             outbox.put((rank, True, result))
         except BaseException:  # reported to the test
             outbox.put((rank, False, traceback.format_exc()))
+        finally:  # every environment change a test makes is undone
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 class WorkerFailed(AssertionError):
@@ -86,8 +93,11 @@ class Pool:
         errors: list[str] = []
         while len(results) + len(errors) < self.world:
             try:
-                rank, ok, value = self.outbox.get(timeout=self.timeout)
+                # After one rank failed, the others answer at once or are stuck waiting for it.
+                rank, ok, value = self.outbox.get(timeout=self.timeout if not errors else min(self.timeout, 10))
             except queue.Empty:
+                if errors:
+                    break
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 for p in self.procs:  # print where each rank is stuck, then give up on the pool
                     if p.is_alive():
@@ -100,6 +110,9 @@ class Pool:
             else:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:
+            # The group may be out of step (a rank waiting in a collective the failed one never
+            # reached): this pool is done, the next test gets a fresh one.
+            self.close()
             raise WorkerFailed(f"{what} failed:\n" + "\n".join(errors))
         return [results[r] for r in range(self.world)]
 

@@ -27,3 +27,12 @@ def dist():
     yield get
     for pool in _POOLS.values():
         pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Every change a test makes to ``os.environ`` in this process is undone after it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -64,18 +64,20 @@ def test_api_needs_use_spmd_first():
 
 # --- multi-rank ----------------------------------------------------------------
 
-def _mesh_over_wrong_count():
-    mesh = Mesh(np.arange(2), (2,), ("data",))
+def _mesh_over_wrong_count(ids):
     try:
-        mesh.device_mesh
+        Mesh(np.arange(ids), (ids,), ("fsdp",))  # refused where it is built, as torch_xla does
     except ts.SpmdError as e:
+        assert isinstance(e, AssertionError)
         return str(e)
     return None
 
 
-def test_mesh_size_must_match_world(dist):
-    msgs = dist(4).run(_mesh_over_wrong_count)
-    assert all("not mappable over 4 devices" in m for m in msgs)
+@pytest.mark.parametrize("ids", [2, 5])
+def test_mesh_size_must_match_world(dist, ids):
+    msgs = dist(4).run(_mesh_over_wrong_count, ids)
+    assert msgs[0] is not None and msgs == [msgs[0]] * 4  # the same error on every rank
+    assert f"Number of device IDs ({ids}) must match the global number of devices (4)" in msgs[0]
 
 
 def _hybrid(local_world, ici, dcn):

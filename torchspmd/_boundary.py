@@ -165,3 +165,16 @@ def mark_local_output(t: torch.Tensor, device_mesh, placements) -> DTensor | Non
 
 def replace_marked(output: Any, marked: dict) -> Any:
     return _map(output, lambda t: marked.get(id(t), t))
+
+
+def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
+    """Random operations on this process's rows (dropout in a wrapped module's local
+    compute) draw from the rows' own stream, not the one every process shares (see
+    torchspmd/_rng.py); without a batch every process computes the same and shares it."""
+    if layout is None:
+        return contextlib.nullcontext()
+    from torchspmd import _rng
+
+    mesh = layout.device_mesh
+    index = _rng.shard_index(_coord(mesh), list(mesh.shape), data_dims)
+    return _rng.local_stream(index, mesh.device_type)

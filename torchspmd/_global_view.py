@@ -60,8 +60,20 @@ def _replicated(t: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def _check_replica(t: torch.Tensor) -> None:
+    """A plain parameter is replicated: the first time one meets a DTensor, check it holds
+    the same value on every process, and copy rank 0's where it does not (as DDP does).
+    Every process reaches this at the same point of the same program."""
+    if t.requires_grad and t.is_leaf:
+        from torchspmd import _replicas
+
+        if not _replicas.agreed(t):
+            _replicas.agree_once([t])
+
+
 def _lift(a: Any, like: DTensor) -> Any:
     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+        _check_replica(a)
         return _replicated(a, like)
     if type(a) in (list, tuple) and any(
         isinstance(b, torch.Tensor) and not isinstance(b, DTensor) for b in a
@@ -421,6 +433,43 @@ def _view(op, args, kwargs):
     return _default(op, (whole, *args[1:]), kwargs)
 
 
+def _random(op, args, kwargs):
+    """Random operations on a sharded DTensor where DTensor has no RNG tracker (a CPU mesh):
+    each shard draws from a stream of its own (processes holding the same shard draw the
+    same numbers), so no shard repeats another's mask; on a replicated DTensor every
+    process draws the same numbers from the shared stream. On CUDA, DTensor's own
+    offset-based tracker does this."""
+    x = args[0]
+    mesh = x.device_mesh
+    if mesh.device_type != "cpu" or any(p.is_partial() for p in x.placements):
+        return _default(op, args, kwargs)
+    from torchspmd import _rng
+
+    shard_dims = [d for d, p in enumerate(x.placements) if p.is_shard()]
+
+    def local(a):
+        return a.to_local() if isinstance(a, DTensor) else a
+
+    local_args = [local(a) for a in args]
+    local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    if shard_dims:
+        index = _rng.shard_index(list(mesh.get_coordinate()), list(mesh.shape), shard_dims)
+        with _rng.local_stream(index, "cpu"):
+            out = op(*local_args, **local_kwargs)
+    else:
+        out = op(*local_args, **local_kwargs)
+    if op._schema.name.endswith("_"):  # in place: the DTensor's local tensor was filled
+        return x
+
+    def wrap(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        spec = DTensorSpec(mesh, x.placements, tensor_meta=TensorMeta(x.shape, x.stride(), t.dtype))
+        return DTensor(t, spec, requires_grad=False)
+
+    return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+
 def _below_autograd(handler: Callable) -> Callable:
     """Handlers run under the autograd kernel; their internal redistributions must not
     record a graph of their own."""
@@ -456,4 +505,9 @@ _HANDLERS: dict = {
     aten.mean.default: _mean,
     aten.mean.dim: _mean,
 }
+_HANDLERS.update(dict.fromkeys([
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli_.float, aten.uniform_.default,
+    aten.normal_.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    aten.randint_like.low_dtype, aten.exponential_.default, aten.log_normal_.default, aten.geometric_.default,
+], _random))
 _HANDLERS = {op: _below_autograd(h) for op, h in _HANDLERS.items()}

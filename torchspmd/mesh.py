@@ -74,6 +74,15 @@ class Mesh(metaclass=OnXla):
                 f"Mesh(device_ids=...): device id {bad[0]} is out of range; ids must be 0..{len(ids) - 1} "
                 f"for a mesh of {len(ids)} devices"
             )
+        if runtime.is_spmd() or runtime._launched():
+            # torch_xla's rule, checked where torch_xla checks it: a mesh spans every device.
+            n = runtime.global_runtime_device_count()
+            if len(ids) != n:
+                raise SpmdError(
+                    f"Mesh: Number of device IDs ({len(ids)}) must match the global number of devices ({n}); "
+                    f"build the mesh over np.arange(global_runtime_device_count()) with a mesh_shape whose "
+                    f"product is {n}"
+                )
         self.device_ids = ids
         self.mesh_shape = shape
         self.axis_names = axis_names
@@ -129,7 +138,21 @@ class Mesh(metaclass=OnXla):
                 torch.as_tensor(self.get_logical_mesh(), dtype=torch.int64),
                 mesh_dim_names=self.axis_names,
             )
+            _flatten_spans(self._device_mesh)
         return self._device_mesh
+
+
+def _flatten_spans(dmesh) -> None:
+    """Flattened meshes over every run of consecutive axes: with them DTensor moves a value
+    sharded (or pending a sum) over several axes with one collective over their devices,
+    not one per axis (which torch warns about: "flatten mesh dimensions")."""
+    names = dmesh.mesh_dim_names
+    if names is None or len(names) < 2:
+        return
+    for start in range(len(names)):
+        for stop in range(start + 2, len(names) + 1):
+            span = tuple(names[start:stop])
+            (dmesh if len(span) == len(names) else dmesh[span])._flatten("_".join(span))
 
 
 class HybridMesh(Mesh):

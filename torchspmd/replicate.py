@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import _global_view, runtime
-from torchspmd._boundary import inputs_to_local, outputs_to_global
+from torchspmd._boundary import inputs_to_local, local_rows_stream, outputs_to_global
 from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh, get_1d_mesh, get_global_mesh
@@ -45,14 +45,20 @@ class _ReplicateState:
         self.shard_output = shard_output
         self.layout = None
         self.suspended = None
+        self.stream = None
 
     def pre(self, module, args, kwargs):
         args, kwargs, self.layout = inputs_to_local(args, kwargs, self.dmesh, self.data_dims, "replicate")
         self.suspended = _global_view.suspend()  # local compute: no lifting needed (see _global_view)
+        self.stream = local_rows_stream(self.layout, self.data_dims)  # dropout: this process's rows' own stream
+        self.stream.__enter__()
         DistributedDataParallel._active_ddp_module = self.ddp
         return self.ddp._pre_forward(*args, **kwargs)
 
     def leave_local(self, module, args, kwargs, output):
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            stream.__exit__(None, None, None)
         _global_view.resume(self.suspended)
         self.suspended = None
 

@@ -26,6 +26,7 @@ from torchspmd import _global_view, runtime
 from torchspmd._boundary import (
     BatchLayout,
     inputs_to_local,
+    local_rows_stream,
     marking_outputs,
     output_to_global,
     replace_marked,
@@ -146,6 +147,11 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
             if extra_data_axis == "fsdp":
                 raise ValueError("extra_data_axis must be another axis than 'fsdp'")
         super().__init__()
+        # Values FSDP2 splits (or leaves whole) must be one value before they are split:
+        # checked once, rank 0's copied where a process differs (docs/guide.md).
+        from torchspmd import _replicas
+
+        _replicas.agree_once([t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)])
         from torchspmd.fsdp.collectives import CHOICES
 
         if collectives not in CHOICES:
@@ -189,7 +195,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, self._mesh.device_mesh, self._data_dims, "FSDPv2")
-        with _global_view.local_region():
+        with _global_view.local_region(), local_rows_stream(layout, self._data_dims):
             output = self._orig_module(*args, **kwargs)
         if self._fp32_outputs:
             from torchspmd._boundary import _map

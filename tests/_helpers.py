@@ -1,0 +1,20 @@
+"""Helpers shared by the tests: the repository root, a clean environment for subprocesses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Variables a launcher or the test pool sets, which a fresh job must not inherit.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "CPU_NUM_DEVICES", "TORCHSPMD_NUM_DEVICES", "TORCHSPMD_BACKEND",
+               "TORCHSPMD_ALL_RANKS_OUTPUT", "PJRT_DEVICE")
+
+
+def clean_env(**extra) -> dict[str, str]:
+    """``os.environ`` without the launch variables, plus ``extra`` (as strings)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env

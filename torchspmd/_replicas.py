@@ -1,0 +1,85 @@
+"""Replicated values that agree on every process.
+
+A replicated parameter is one value: every process must hold the same bits. ``agree``
+checks that cheaply (a 64-bit digest of each tensor's bytes, compared with one small
+all-reduce) and, where some process differs, copies rank 0's value to every process, as
+DDP does at construction. Programs that build their model after ``use_spmd()`` (one
+random state everywhere) pass the check without copying anything.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+_CHUNK = 1 << 24  # bytes digested at a time (bounds the temporary memory)
+_PRIME = 1_000_003
+
+
+def digest(t: torch.Tensor) -> int:
+    """A position-weighted sum of the tensor's bytes (exact integer arithmetic, so NaNs and
+    signed zeros count as their bits)."""
+    data = t.detach().contiguous().reshape(-1)
+    if data.numel() == 0:
+        return 0
+    raw = data.view(torch.uint8) if data.element_size() > 0 else data
+    total = 0
+    for start in range(0, raw.numel(), _CHUNK):
+        part = raw[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device) % _PRIME + 1
+        total += int((part * weights).sum())
+    return total
+
+
+def _group_root(group) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def agree(tensors: Sequence[torch.Tensor], group=None) -> list[int]:
+    """Make ``tensors`` (the same list on every process of ``group``) equal to the group's
+    first rank's values; return the indices of those that differed somewhere. A collective:
+    every process of the group must call it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not tensors:
+        return []
+    tensors = [t for t in tensors]
+    device = tensors[0].device if tensors[0].device.type != "meta" else torch.device("cpu")
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend) and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    values = torch.tensor([digest(t) for t in tensors], dtype=torch.int64)
+    both = torch.cat([values, -values]).to(device)  # max and -min in one reduction
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    both = both.cpu()
+    n = len(tensors)
+    differ = [i for i in range(n) if int(both[i]) != -int(both[n + i])]
+    root = _group_root(group)
+    for i in differ:
+        t = tensors[i]
+        with torch.no_grad():
+            buf = t.detach().clone()
+            dist.broadcast(buf, src=root, group=group)
+            if dist.get_rank() != root:
+                t.detach().copy_(buf)
+    return differ
+
+
+# Tensors already checked (each is checked once: at its first use as a replicated value),
+# by id, with a weak reference telling a live tensor from a new one at a reused id.
+_AGREED: dict[int, weakref.ref] = {}
+
+
+def agreed(t: torch.Tensor) -> bool:
+    ref = _AGREED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def agree_once(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """``agree`` on those of ``tensors`` not checked before (plain, non-meta ones)."""
+    todo = [t for t in tensors if t.device.type != "meta" and not agreed(t)]
+    fixed = agree(todo)
+    for t in todo:
+        _AGREED[id(t)] = weakref.ref(t, lambda _, key=id(t): _AGREED.pop(key, None))
+    return fixed

@@ -1,0 +1,85 @@
+"""One random state for the program, and a stream of its own for each shard.
+
+torch_xla runs one process, so a program has one random stream: a model built without a
+seed is one model, and ``torch.randn`` data is one data set. Here each device is a
+process, and each process's generator starts from its own nondeterministic seed.
+``synchronize()`` (called by ``use_spmd()``) gives every process rank 0's state of
+torch's CPU generator, of the current CUDA device's generator, of Python's ``random``
+and of NumPy's global ``RandomState``: every process then draws what rank 0 draws.
+
+Random operations on *sharded* values must not repeat one shard's numbers on the
+others (a dropout mask drawn for rank 0's rows, reused for rank 1's). ``local_stream``
+takes one number from the shared stream (so every process's shared state advances
+alike) and, from it and the shard's index, seeds a stream for this shard alone while
+the shard's random operations run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Distinct shards get seeds a large odd step apart (the golden-ratio increment of
+# splitmix64), so that their streams are unrelated.
+_STEP = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def _cuda_device(device_type: str) -> int | None:
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return None
+
+
+def synchronize(device_type: str) -> None:
+    """Give every process of the default group rank 0's random state (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    cuda = device_type == "cuda" and torch.cuda.is_available()
+    state = [None]
+    if dist.get_rank() == 0:
+        state[0] = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if cuda else None,
+            "random": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
+    dist.broadcast_object_list(state, src=0)
+    s = state[0]
+    torch.set_rng_state(s["torch"])
+    if cuda and s["cuda"] is not None:
+        torch.cuda.set_rng_state(s["cuda"])  # this process's device (use_spmd set it)
+    random.setstate(s["random"])
+    np.random.set_state(s["numpy"])
+
+
+def shard_seed(index: int) -> int:
+    """A seed for shard ``index``, from one draw of the shared stream."""
+    base = int(torch.empty((), dtype=torch.int64).random_())
+    return (base + _STEP * (index + 1)) & _MASK
+
+
+@contextlib.contextmanager
+def local_stream(index: int, device_type: str = "cpu") -> Iterator[None]:
+    """Run the block with a random stream of its own for shard ``index`` (the same on the
+    processes that hold the same shard), leaving the shared stream as one draw advanced it."""
+    seed = shard_seed(index)
+    cuda = _cuda_device(device_type)
+    with torch.random.fork_rng(devices=[cuda] if cuda is not None else [], device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        if cuda is not None:
+            torch.cuda.manual_seed(seed)
+        yield
+
+
+def shard_index(coordinate: list[int], sizes: list[int], dims: list[int]) -> int:
+    """The index of this process's shard along mesh ``dims`` (row-major over them)."""
+    index = 0
+    for d in dims:
+        index = index * sizes[d] + coordinate[d]
+    return index
