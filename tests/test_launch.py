@@ -62,9 +62,10 @@ def test_single_device_runs_in_process(script):
 
 def test_failure_on_one_rank_fails_the_job(script):
     r = _run([sys.executable, str(script), "--fail-on-1"], CPU_NUM_DEVICES=2)
-    assert r.returncode != 0
-    assert "rank one fails on purpose" in r.stderr
-    assert "torchspmd: rank" in r.stderr
+    assert r.returncode == 1, r.stderr
+    assert "[rank1]: RuntimeError: rank one fails on purpose" in r.stderr
+    summary = [l for l in r.stderr.splitlines() if l.startswith("torchspmd: ")]
+    assert summary[0].startswith("torchspmd: rank 1 failed: RuntimeError: rank one fails on purpose (at "), r.stderr
 
 
 def test_torchspmd_run(script):

@@ -186,6 +186,8 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
 
             raise SystemExit(relaunch_current_script(n))
     _init_process_group(name)
+    from torchspmd._launch import record_failures  # uncaught errors -> torchrun's error file, for the summary
+    record_failures()
     _STATE.backend = name
     if name == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -193,8 +195,10 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
         _STATE.device = torch.device("cuda", local)
     else:
         _STATE.device = torch.device("cpu")
-    from torchspmd import _global_view
+    from torchspmd import _global_view, _rng
 
+    # One program: every process continues from rank 0's random state (docs/guide.md).
+    _rng.synchronize(name)
     _global_view.install()
     _STATE.spmd = True
     if dist.get_rank() != 0 and not os.environ.get(ENV_ALL_RANKS_OUTPUT):

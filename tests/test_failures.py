@@ -1,0 +1,192 @@
+"""A failed multi-process job names the process that failed first.
+
+End to end: tiny scripts under `torchspmd run --nproc 2`; then the summary's ordering rules
+on error files written by the workers' recorder (torch.distributed.elastic's format)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from torchspmd import _launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HEAD = """
+import os, signal, sys, threading, torch, torchspmd as ts
+ts.use_spmd()
+import torch.distributed as dist
+rank = dist.get_rank()
+"""
+
+
+def _run(tmp_path, body):
+    script = tmp_path / "prog.py"
+    script.write_text(HEAD + textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")}
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script)],
+                       capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    summary = [l for l in r.stderr.splitlines() if l.startswith("torchspmd: ")]
+    return r, summary, script
+
+
+def _line(script, text):
+    """'path:line' of the script line containing ``text``."""
+    n = next(i for i, l in enumerate(script.read_text().splitlines(), 1) if text in l)
+    return f"{script}:{n}"
+
+
+def _no_agent_noise(stderr):
+    assert "failed (exitcode" not in stderr and "closing signal" not in stderr, stderr
+
+
+def test_rank_1_raises(tmp_path):
+    r, summary, script = _run(tmp_path, """
+        if rank == 1:
+            raise ValueError("bad thing 0.7313")
+        dist.barrier()
+    """)
+    assert r.returncode == 1, r.stderr
+    assert "[rank1]: ValueError: bad thing 0.7313" in r.stderr  # its traceback is kept
+    assert summary[0] == (f"torchspmd: rank 1 failed: ValueError: bad thing 0.7313 (at {_line(script, 'raise')}); "
+                          f"its traceback is printed above, in lines starting [rank1]:"), r.stderr
+    # rank 0 lost its connection in the barrier, or was stopped by the launcher first
+    assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 0 "), summary
+    assert "after rank 1 failed" in summary[1], summary
+    _no_agent_noise(r.stderr)
+
+
+def test_rank_0_raises(tmp_path):
+    r, summary, _ = _run(tmp_path, """
+        if rank == 0:
+            raise KeyError("missing 0.2451")
+        dist.barrier()
+    """)
+    assert r.returncode == 1, r.stderr
+    assert summary[0].startswith("torchspmd: rank 0 failed: KeyError: 'missing 0.2451' (at "), r.stderr
+    assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 1 ") and "after rank 0 failed" in summary[1]
+
+
+def test_a_rank_stopped_by_the_launcher_is_a_consequence(tmp_path):
+    r, summary, _ = _run(tmp_path, """
+        dist.barrier()
+        if rank == 1:
+            raise RuntimeError("rank one 0.5912")
+        threading.Event().wait()  # until the launcher stops this process
+    """)
+    assert r.returncode == 1, r.stderr
+    assert len(summary) == 2, r.stderr
+    assert summary[0].startswith("torchspmd: rank 1 failed: RuntimeError: rank one 0.5912 (at "), summary
+    assert summary[1] == "torchspmd: rank 0 was stopped (SIGTERM) after rank 1 failed", summary
+    _no_agent_noise(r.stderr)
+
+
+def test_the_same_error_on_every_rank(tmp_path):
+    # Decision: the summary names the rank that raised first, and says the others failed
+    # with the same error (a rank the launcher stopped before it raised is listed as stopped).
+    r, summary, _ = _run(tmp_path, """
+        dist.barrier()
+        raise ValueError(f"bad input: batch size 3 is not divisible by {dist.get_world_size()}")
+    """)
+    assert r.returncode == 1, r.stderr
+    assert len(summary) == 2, r.stderr
+    first = int(summary[0].split()[2])
+    assert summary[0].startswith(f"torchspmd: rank {first} failed: ValueError: bad input: batch size 3 is not "
+                                 f"divisible by 2 (at "), summary
+    assert summary[1] in (f"torchspmd: rank {1 - first} failed with the same error",
+                          f"torchspmd: rank {1 - first} was stopped (SIGTERM) after rank {first} failed"), summary
+
+
+@pytest.mark.parametrize("how, code, said", [
+    ("os._exit(3)", 3, "torchspmd: rank 1 exited with code 3 and recorded no exception"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9, "torchspmd: rank 1 was killed by SIGKILL"),
+])
+def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said):
+    r, summary, _ = _run(tmp_path, f"""
+        t = torch.randn(8)
+        dist.all_reduce(t)
+        if rank == 1:
+            {how}
+        dist.all_reduce(t)  # rank 0 waits here for a peer that is gone
+        threading.Event().wait()
+    """)
+    assert r.returncode == code, r.stderr
+    assert summary[0].startswith(said), r.stderr
+    assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 0 ") and "after rank 1 failed" in summary[1]
+
+
+# --- the ordering rules, on records written by the workers' recorder ------------------
+
+
+def _record(tmp_path, monkeypatch, name, exc):
+    """The error file a worker's recorder writes for ``exc`` raised now."""
+    path = tmp_path / f"{name}.json"
+    monkeypatch.setenv(_launch.ERROR_FILE_ENV, str(path))
+    try:
+        raise exc
+    except BaseException as e:
+        _launch._Recorder().record_exception(e)
+    return str(path)
+
+
+GLOO = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                    "[127.0.0.1]:41234. This is typically caused by a remote worker crashing.")
+
+
+def test_first_by_recorded_time_not_by_rank(tmp_path, monkeypatch):
+    late_rank_first = _record(tmp_path, monkeypatch, "r3", ValueError("bad shape 0.83"))
+    early_rank_later = _record(tmp_path, monkeypatch, "r0", ValueError("bad shape 0.83"))
+    other = _record(tmp_path, monkeypatch, "r1", TypeError("not a tensor"))
+    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, early_rank_later),
+                                    1: ProcessFailure(1, 101, 1, other),
+                                    3: ProcessFailure(3, 103, 1, late_rank_first)})
+    lines = text.splitlines()
+    assert lines[0].startswith("torchspmd: rank 3 failed: ValueError: bad shape 0.83 (at " + __file__), lines
+    assert lines[1:] == ["torchspmd: rank 0 failed with the same error",
+                         "torchspmd: rank 1 also failed: TypeError: not a tensor"]
+    assert code == 1
+    record = json.loads(Path(late_rank_first).read_text())["message"]  # still torch's format
+    assert record["message"] == "ValueError: bad shape 0.83" and "Traceback" in record["extraInfo"]["py_callstack"]
+
+
+def test_a_lost_connection_is_a_consequence_even_when_recorded_first(tmp_path, monkeypatch):
+    lost = _record(tmp_path, monkeypatch, "r0", GLOO)
+    cause = _record(tmp_path, monkeypatch, "r1", ValueError("bad thing"))
+    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, 1, cause)})
+    assert text.splitlines()[0].startswith("torchspmd: rank 1 failed: ValueError: bad thing"), text
+    assert text.splitlines()[1] == ("torchspmd: rank 0 failed after rank 1 failed: RuntimeError: Connection closed "
+                                    "by peer [127.0.0.1]:41234 (a lost connection)")
+
+
+def test_exits_without_a_record(tmp_path, monkeypatch):
+    lost = _record(tmp_path, monkeypatch, "r0", GLOO)
+    none = str(tmp_path / "absent.json")
+    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, -9, none),
+                                    2: ProcessFailure(2, 102, -signal.SIGTERM, none),
+                                    3: ProcessFailure(3, 103, 1, none)}, stopped_pids={102, 103})
+    assert text.splitlines() == [
+        "torchspmd: rank 1 was killed by SIGKILL",
+        "torchspmd: rank 0 failed after rank 1 failed: RuntimeError: Connection closed by peer [127.0.0.1]:41234 "
+        "(a lost connection)",
+        "torchspmd: rank 2 was stopped (SIGTERM) after rank 1 failed",
+        "torchspmd: rank 3 was stopped (exit code 1) after rank 1 failed"]
+    assert code == 137
+    # Without the agent's word on whom it stopped, SIGTERM means stopped by the launcher.
+    text, code = _launch.summarize({0: ProcessFailure(0, 100, -signal.SIGTERM, none),
+                                    1: ProcessFailure(1, 101, 3, none)})
+    assert text.splitlines()[0].startswith("torchspmd: rank 1 exited with code 3 and recorded no exception"), text
+    assert text.splitlines()[1] == "torchspmd: rank 0 was stopped (SIGTERM) after rank 1 failed" and code == 3
+
+
+def test_only_lost_connections_say_so(tmp_path, monkeypatch):
+    lost = _record(tmp_path, monkeypatch, "r0", GLOO)
+    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost)})
+    assert text.splitlines()[1] == ("torchspmd: rank 0 lost its connection to another process: that process (on "
+                                    "another host, or not started by this launcher) probably failed first"), text
