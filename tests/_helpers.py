@@ -18,3 +18,9 @@ def clean_env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def same_on_every_rank(results: list):
+    """The one result every rank returned (errors included: each rank must raise the same)."""
+    assert all(r == results[0] for r in results[1:]), f"the ranks disagree: {results!r}"
+    return results[0]

@@ -5,6 +5,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchspmd as ts
 from torchspmd.mesh import Mesh
+from _helpers import same_on_every_rank
 
 
 class Counting(Dataset):
@@ -96,12 +97,12 @@ def test_dict_specs(dist):
 
 
 def test_dict_spec_missing_key_is_keyerror(dist):
-    kind, msg = dist(2).run(_dict_batches, ("x",))[0]
+    kind, msg = same_on_every_rank(dist(2).run(_dict_batches, ("x",)))
     assert kind == "KeyError" and "'y'" in msg
 
 
 def test_dict_spec_with_non_dict_batch_is_valueerror(dist):
-    kind, msg = dist(2).run(_dict_batches, ("x", "y"), False)[0]
+    kind, msg = same_on_every_rank(dist(2).run(_dict_batches, ("x", "y"), False))
     assert kind == "ValueError" and "input_sharding is a dict" in msg
 
 
@@ -145,7 +146,7 @@ def _unsplittable(batch_size):
 
 def test_batch_that_cannot_be_split_is_a_clear_error(dist):
     # 5 rows over 4 devices split like torch.chunk: 2, 2, 1 and nothing for the last
-    msg = dist(4).run(_unsplittable, 5)[0]
+    msg = same_on_every_rank(dist(4).run(_unsplittable, 5))
     assert "5 rows on dim 0" in msg and "4 devices" in msg and "drop_last=True" in msg
 
 

@@ -256,6 +256,9 @@ TWO_D = textwrap.dedent(
     out = m(ts.mark_sharding(torch.randn(8, 8), mesh, (("data", "fsdp"), None)))
     out.pow(2).mean().backward()
     print("gathered", tuple(out.full_tensor().shape), ts.full_state_dict(m, rank0_only=False)["0.weight"].shape)
+    # uneven over both axes (9 rows: 3, 2, 2, 2): gathered per axis, exactly (torch's merged gather is wrong there)
+    odd = torch.randn(9, 4)
+    print("uneven", torch.equal(ts.mark_sharding(odd, mesh, (("data", "fsdp"), None)).full_tensor(), odd))
     # Pattern 1 with the batch over both axes of a 2D mesh: pending sums over both
     mesh2 = ts.Mesh(np.arange(n), (n // 2, 2), ("data", "model"))
     lin = nn.Linear(8, 3)
@@ -275,4 +278,5 @@ def test_a_2d_layout_is_moved_without_warnings(tmp_path):
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("gathered (8, 3)") == 4 and r.stdout.count("loss") == 4
+    assert r.stdout.count("uneven True") == 4
     assert "warn" not in r.stderr.lower() and "W1" not in r.stderr, r.stderr[-3000:]

@@ -5,56 +5,60 @@ import torch
 import torchspmd as ts
 from torchspmd.mesh import Mesh
 from torchspmd.sharding import resolve_partition_spec
+from _helpers import same_on_every_rank
 
-MESH_2x2 = Mesh(np.arange(4), (2, 2), ("data", "model"))
+def _mesh_2x2():
+    # Built in the test process, where no launcher runs: a mesh of 4 devices is checked at
+    # use, not at construction (pool workers import this module in worlds of other sizes).
+    return Mesh(np.arange(4), (2, 2), ("data", "model"))
 
 
 # --- partition-spec validation: one rule per test -------------------------------
 
 def test_spec_length_must_equal_rank():
     with pytest.raises(ts.SpmdError, match=r"Partition spec length \(1\) should be equal to the input rank \(2\)"):
-        resolve_partition_spec(MESH_2x2, ("data",), 2)
+        resolve_partition_spec(_mesh_2x2(), ("data",), 2)
 
 
 def test_unknown_axis_name():
     with pytest.raises(ts.SpmdError, match=r"partition_spec\[1\]: axis name 'fsdp' is not defined"):
-        resolve_partition_spec(MESH_2x2, (None, "fsdp"), 2)
+        resolve_partition_spec(_mesh_2x2(), (None, "fsdp"), 2)
 
 
 def test_repeated_axis():
     with pytest.raises(ts.SpmdError, match=r"mesh axis 'data' appears in partition_spec\[0\] and partition_spec\[1\]"):
-        resolve_partition_spec(MESH_2x2, ("data", ("data", "model")), 2)
+        resolve_partition_spec(_mesh_2x2(), ("data", ("data", "model")), 2)
 
 
 def test_axis_index_out_of_range():
     with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\]: mesh axis index 2 is out of range"):
-        resolve_partition_spec(MESH_2x2, (2, None), 2)
+        resolve_partition_spec(_mesh_2x2(), (2, None), 2)
 
 
 def test_nested_tuples_rejected():
     with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\].*nested tuples"):
-        resolve_partition_spec(MESH_2x2, ((("data",), "model"), None), 2)
+        resolve_partition_spec(_mesh_2x2(), ((("data",), "model"), None), 2)
 
 
 def test_unsupported_entry_type():
     with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\]: spec type float"):
-        resolve_partition_spec(MESH_2x2, (1.0, None), 2)
+        resolve_partition_spec(_mesh_2x2(), (1.0, None), 2)
 
 
 def test_tuple_axes_follow_mesh_order():
     with pytest.raises(ts.SpmdError, match=r"partition_spec\[0\] = \('model', 'data'\).*mesh's order"):
-        resolve_partition_spec(MESH_2x2, (("model", "data"), None), 2)
+        resolve_partition_spec(_mesh_2x2(), (("model", "data"), None), 2)
 
 
 def test_spec_must_be_a_tuple():
     with pytest.raises(ts.SpmdError, match="one entry per tensor dim"):
-        ts.ShardingSpec(MESH_2x2, "data")
+        ts.ShardingSpec(_mesh_2x2(), "data")
 
 
 def test_sharding_spec_checks_at_construction():
     with pytest.raises(ts.SpmdError, match="axis name 'x' is not defined"):
-        ts.ShardingSpec(MESH_2x2, ("x", None))
-    spec = ts.ShardingSpec(MESH_2x2, ("data", None))
+        ts.ShardingSpec(_mesh_2x2(), ("x", None))
+    spec = ts.ShardingSpec(_mesh_2x2(), ("data", None))
     assert spec.can_apply(torch.zeros(2, 3)) and not spec.can_apply(torch.zeros(2))
 
 
@@ -159,7 +163,7 @@ def _mark_errors():
 
 
 def test_mark_sharding_errors_name_the_culprit(dist):
-    msgs = dist(2).run(_mark_errors)[0]
+    msgs = same_on_every_rank(dist(2).run(_mark_errors))
     assert "Partition spec length (1) should be equal to the input rank (2)" in msgs[0]
     assert "axis name 'y' is not defined" in msgs[1]
 

@@ -149,6 +149,7 @@ def _flatten_spans(dmesh) -> None:
     names = dmesh.mesh_dim_names
     if names is None or len(names) < 2:
         return
+    _guard_uneven_gathers()
     for start in range(len(names)):
         for stop in range(start + 2, len(names) + 1):
             span = tuple(names[start:stop])
@@ -206,6 +207,35 @@ def hybrid_layout(ici_mesh_shape, dcn_mesh_shape, total: int, per_host: int):
         block = tuple(slice(i * s, (i + 1) * s) for i, s in zip(idx, ici))
         full[block] = host_meshes[int(grid[idx])]
     return ici, dcn, full
+
+
+def _guard_uneven_gathers() -> None:
+    """torch 2.13 merges the per-axis all-gathers of a value sharded over several axes into
+    one over their flattened mesh without checking that the dim divides evenly; when it does
+    not, the nested split (9 over 2 then 2: 3, 2, 2, 2) is not the flat one (3, 3, 3, 0) and
+    the gathered value is wrong (torch checks this for reduce-scatters only). Such
+    redistributions keep their per-axis collectives; the others are merged."""
+    try:
+        from torch.distributed.tensor import _redistribute as r
+    except ImportError:
+        return
+    original = getattr(r, "_optimize_transform_infos", None)
+    if original is None or getattr(original, "_torchspmd_guard", False):
+        return
+
+    def guarded(transform_infos, device_mesh, *args, **kwargs):
+        dims: dict[int, list[int]] = {}
+        for info in transform_infos:
+            src = info.src_dst_placements[0]
+            if info._comm_type_key() == "all_gather" and src.is_shard():
+                size, ways = dims.get(src.dim, (0, 1))
+                dims[src.dim] = (max(size, info.logical_shape[src.dim]), ways * device_mesh.size(info.mesh_dim))
+        if any(size % ways for size, ways in dims.values()):
+            return transform_infos
+        return original(transform_infos, device_mesh, *args, **kwargs)
+
+    guarded._torchspmd_guard = True
+    r._optimize_transform_infos = guarded
 
 
 _GLOBAL_MESH: Mesh | None = None
