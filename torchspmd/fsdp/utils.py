@@ -105,26 +105,62 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     return missing
 
 
+def _names(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """When the state dict's names are the model's with a prefix added or taken away
+    (``module.``, ``_orig_mod.``, ``model.``), say which."""
+    for extra, short, verb in ((unexpected, missing, "strip the prefix {!r} from"),
+                               (missing, unexpected, "add the prefix {!r} to")):
+        prefixes = {long[: -len(k)] for long in extra for k in short if long.endswith("." + k)}
+        if len(prefixes) == 1:
+            prefix, known = prefixes.pop(), set(short)
+            renamed = sum(long.startswith(prefix) and long[len(prefix):] in known for long in extra)
+            if renamed == min(len(extra), len(short)):
+                return "the names differ by a prefix: " + verb.format(prefix) + " the state dict's keys"
+    return ""
+
+
 def _match(model: nn.Module, current: dict, state_dict: dict, strict: bool):
     """Pair each of the model's entries with its value in ``state_dict`` (a tied parameter
-    under any of its names): ``[(key, current, value)]`` and the keys without one. Shapes
-    must agree; with ``strict`` no key may be missing or left over."""
+    under any of its names): ``[(key, current, value)]`` and the keys without one. Values
+    must be tensors of the model's shapes; with ``strict`` no key may be missing or left
+    over. Nothing is loaded when a check fails; each error names every key at fault."""
     aliases = _aliases(model)
-    pairs, missing = [], []
+    pairs, missing, wrong = [], [], []
     for key, cur in current.items():
         names = [key, aliases.get(key)] + [other for other, first in aliases.items() if first == key]
-        src = next((state_dict[n] for n in names if n is not None and n in state_dict), None)
-        if src is None:
+        name = next((n for n in names if n is not None and n in state_dict), None)
+        if name is None:
             missing.append(key)
             continue
+        src = state_dict[name]
+        if not isinstance(src, torch.Tensor):
+            raise SpmdError(f"load_full_state_dict: the value of {name!r} is a {type(src).__name__}, not a tensor; "
+                            f"give tensors (torch.as_tensor(value))")
         if tuple(src.shape) != tuple(cur.shape):
-            raise SpmdError(f"load_full_state_dict: {key!r} has shape {tuple(src.shape)} in the state dict and "
-                            f"{tuple(cur.shape)} in the model; it comes from a model of another shape")
+            wrong.append(f"{name!r} has shape {tuple(src.shape)} in the state dict and {tuple(cur.shape)} in the model")
         pairs.append((key, cur, src))
-    if strict and missing:
-        raise SpmdError(f"load_full_state_dict: no value for {missing[0]!r} ({len(missing)} keys missing); "
-                        f"pass strict=False to keep the model's own values for them")
-    unexpected = sorted(set(state_dict) - set(current) - set(aliases))
-    if strict and unexpected:
-        raise SpmdError(f"load_full_state_dict: the state dict has {unexpected[0]!r}, which this model lacks")
+    if wrong:
+        raise SpmdError(f"load_full_state_dict: {', '.join(wrong)}; the state dict comes from a model of another "
+                        f"shape: build the model with the same configuration")
+    unexpected = sorted(set(state_dict) - set(current) - set(aliases)) if strict else []
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"the state dict has no value for {len(missing)} of the model's keys: {_names(missing)}")
+        if unexpected:
+            parts.append(f"{'and it' if missing else 'the state dict'} has {len(unexpected)} keys the model lacks: "
+                         f"{_names(unexpected)}")
+        if missing and unexpected:
+            fix = _prefix_hint(missing, unexpected) or (
+                "pass strict=False to keep the model's own values for the first and ignore the others")
+        elif missing:
+            fix = "pass strict=False to keep the model's own values for them"
+        else:
+            fix = "pass strict=False to ignore them"
+        raise SpmdError(f"load_full_state_dict: {'; '.join(parts)}; {fix}")
     return pairs, missing

@@ -208,11 +208,16 @@ def load_toml(path: str | Path) -> dict:
         import tomli as tomllib
     p = Path(path)
     if not p.is_file():
-        raise SpmdError(f"--config {path}: no such file")
+        what = "is a directory" if p.is_dir() else "no such file"
+        raise SpmdError(f"--config {path}: {what}; give the path of a TOML file "
+                        f"(`torchspmd train --print-config` prints one to start from)")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SpmdError(f"--config {path}: not a text file (not UTF-8); give a TOML file") from None
     except tomllib.TOMLDecodeError as e:
-        raise SpmdError(f"--config {path}: not valid TOML ({e})") from None
+        raise SpmdError(f"--config {path}: not valid TOML ({e}); fix the file: settings are `key = value` lines, "
+                        f"strings in quotes, under [model], [data], ... tables") from None
 
 
 def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
@@ -255,6 +260,8 @@ def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
             nested[k] = v
     apply_overrides(cfg, nested, "flags")
     validate(cfg)
+    if not (ns.list_presets or ns.print_config):
+        preflight(cfg)
     return cfg, ns
 
 
@@ -262,9 +269,13 @@ def validate(cfg: TrainConfig) -> None:
     m, d, o = cfg.model, cfg.data, cfg.optim
     for name, value in [("model.dim", m.dim), ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                         ("data.seq_len", d.seq_len), ("optim.batch_size", o.batch_size),
-                        ("optim.max_steps", o.max_steps), ("optim.grad_accum", o.grad_accum)]:
+                        ("optim.max_steps", o.max_steps), ("optim.grad_accum", o.grad_accum),
+                        ("mesh.data", cfg.mesh.data)]:
         if value < 1:
             raise SpmdError(f"{name} = {value}: must be at least 1")
+    if cfg.mesh.devices < 0:
+        raise SpmdError(f"mesh.devices = {cfg.mesh.devices}: give the number of devices (processes), "
+                        f"or 0 for every CUDA device (else 2 CPU processes)")
     if not m.pretrained and m.dim % m.num_heads:
         raise SpmdError(f"model.dim = {m.dim} is not divisible by model.num_heads = {m.num_heads}")
     if d.seq_len > m.max_seq_len and not m.pretrained:
@@ -282,3 +293,87 @@ def validate(cfg: TrainConfig) -> None:
         raise SpmdError(f"precision.dtype = {cfg.precision.dtype!r}: choose 'fp32' or 'bf16'")
     if o.batch_size % o.grad_accum:
         raise SpmdError(f"optim.batch_size = {o.batch_size} is not divisible by optim.grad_accum = {o.grad_accum}")
+
+
+def _check_backend(cfg: TrainConfig) -> str:
+    """The backend the job will use; a ``mesh.backend`` this machine cannot run is an error
+    naming the setting."""
+    from torchspmd import runtime
+
+    b = cfg.mesh.backend.lower()
+    if b and b not in runtime._BACKENDS:
+        raise SpmdError(f"mesh.backend = {cfg.mesh.backend!r}: unknown backend; choose one of "
+                        f"{', '.join(repr(x) for x in runtime._BACKENDS)}, or leave it empty to pick one")
+    if b == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpmdError("mesh.backend = 'cuda': no CUDA device is visible to PyTorch "
+                            "(torch.cuda.is_available() is False); set mesh.backend = 'cpu' or leave it empty")
+    return runtime._choose_backend(b or None)
+
+
+def planned_devices(cfg: TrainConfig) -> int | None:
+    """The number of devices (processes) the job will run on, known before any worker
+    starts: ``WORLD_SIZE`` under a launcher, else what ``use_spmd`` will be given
+    (``mesh.devices``, ``$TORCHSPMD_NUM_DEVICES``, the CUDA devices, 2 CPU processes).
+    None on the XLA backend, where torch_xla counts its devices when it starts."""
+    import os
+
+    from torchspmd import runtime
+    from torchspmd.train.loop import _device_count
+
+    backend = _check_backend(cfg)
+    if backend == "xla":
+        return None
+    if runtime._launched():
+        return int(os.environ["WORLD_SIZE"])
+    n = _device_count(cfg)
+    return n if n is not None else runtime._configured_local_devices(backend)
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Checks that need the machine or the data, made where the job starts, before any
+    worker process exists, so that a bad setting is one error, printed once: the backend
+    and device count against ``mesh.*`` and the batch size, a pretrained model against the
+    tokenizer and ``data.seq_len``, and the corpus against one batch. The corpus is
+    tokenized here, into ``out_dir/cache`` (the workers map that file). Under a launcher
+    (torchrun, ``torchspmd run``) every process checks the settings and the job's rank 0
+    reads the corpus (``train.loop``)."""
+    from torchspmd import runtime
+    from torchspmd.train import data as tdata
+
+    world = planned_devices(cfg)
+    micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    if world is not None:
+        if world % cfg.mesh.data:
+            divisors = [k for k in range(1, world + 1) if world % k == 0]
+            raise SpmdError(f"mesh.data = {cfg.mesh.data} does not divide the {world} devices; choose one of "
+                            f"{', '.join(map(str, divisors))} (1: no extra 'data' axis)")
+        if micro % world:
+            raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
+                            f"divisible by the {world} data-parallel devices; use a multiple of {world}")
+    tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
+    if cfg.model.pretrained:
+        _check_pretrained(cfg, tokenizer)
+    if not runtime._launched():
+        tokens = tdata.load_tokens(cfg.data, tokenizer, Path(cfg.out_dir) / "cache")
+        tdata.check_corpus(len(tokens), cfg.data, cfg.optim)
+
+
+def _check_pretrained(cfg: TrainConfig, tokenizer) -> None:
+    from torchspmd.train.models import pretrained_config
+
+    d, where = cfg.data, f"model.pretrained = {cfg.model.pretrained!r}"
+    config = pretrained_config(cfg.model.pretrained)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise SpmdError(f"data.tokenizer = {d.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the "
+                        f"{vocab} of the model ({where}, its config's vocab_size): ids from {vocab} up would "
+                        f"have no embedding; use the model's own tokenizer (data.tokenizer = "
+                        f"{cfg.model.pretrained!r})")
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and d.seq_len > positions:
+        raise SpmdError(f"data.seq_len = {d.seq_len} is beyond the {positions} positions of the model ({where}); "
+                        f"lower data.seq_len to at most {positions}")

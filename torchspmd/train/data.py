@@ -44,6 +44,16 @@ class HFTokenizer:
     """A local ``tokenizers`` file (tokenizer.json) or transformers tokenizer directory."""
 
     def __init__(self, path: str):
+        try:
+            self._load(path)
+        except SpmdError:
+            raise
+        except Exception as e:  # tokenizers / transformers: a file or directory that holds no tokenizer
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SpmdError(f"data.tokenizer = {path!r}: not a tokenizer ({type(e).__name__}: {first}); give "
+                            f"'byte', a tokenizer.json file or a transformers tokenizer directory") from None
+
+    def _load(self, path: str) -> None:
         p = Path(path)
         if p.is_file():
             from tokenizers import Tokenizer
@@ -191,13 +201,35 @@ class PackedSequences(torch.utils.data.Dataset):
         return window[:-1], window[1:]
 
 
+def _counts(n_tokens: int, seq_len: int, eval_fraction: float) -> tuple[int, int]:
+    """Sequences for training and held out, from ``n_tokens`` tokens."""
+    n = max(0, (n_tokens - 1) // seq_len)
+    n_eval = max(1, int(n * eval_fraction)) if eval_fraction > 0 and n else 0
+    return n - n_eval, n_eval
+
+
 def split(tokens: np.ndarray, seq_len: int, eval_fraction: float) -> tuple[PackedSequences, PackedSequences]:
-    n = (len(tokens) - 1) // seq_len
-    if n < 2:
+    n_train, n_eval = _counts(len(tokens), seq_len, eval_fraction)
+    if n_train + n_eval < 2:
         raise SpmdError(f"the corpus has {len(tokens)} tokens: not enough for two sequences of data.seq_len = "
                         f"{seq_len}; give more text or a shorter data.seq_len")
-    n_eval = max(1, int(n * eval_fraction)) if eval_fraction > 0 else 0
-    return PackedSequences(tokens, seq_len, 0, n - n_eval), PackedSequences(tokens, seq_len, n - n_eval, n_eval)
+    return PackedSequences(tokens, seq_len, 0, n_train), PackedSequences(tokens, seq_len, n_train, n_eval)
+
+
+def check_corpus(n_tokens: int, data_cfg, optim_cfg) -> None:
+    """The corpus must fill one (micro-)batch of training sequences, else an error naming
+    the settings to change."""
+    micro = optim_cfg.batch_size // optim_cfg.grad_accum
+    n_train, n_eval = _counts(n_tokens, data_cfg.seq_len, data_cfg.eval_fraction)
+    if n_train >= micro and n_train + n_eval >= 2:
+        return
+    batch = ("a micro-batch (optim.batch_size / optim.grad_accum)" if optim_cfg.grad_accum > 1
+             else "a batch (optim.batch_size)")
+    held = f" and {n_eval} held out (data.eval_fraction = {data_cfg.eval_fraction})" if n_eval else ""
+    cap = f"; data.max_bytes = {data_cfg.max_bytes} limits what is read, 0: no limit" if data_cfg.max_bytes else ""
+    raise SpmdError(f"the corpus is smaller than one batch: its {n_tokens} tokens make {n_train} training "
+                    f"sequences of data.seq_len = {data_cfg.seq_len}{held}, and {batch} takes {micro}; give more "
+                    f"text (data.path{cap}), or lower optim.batch_size or data.seq_len")
 
 
 class ResumableBatchSampler(torch.utils.data.Sampler):
@@ -207,7 +239,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, size: int, batch_size: int, seed: int, start: int = 0):
         if size < batch_size:
-            raise SpmdError(f"optim.batch_size = {batch_size} is larger than the {size} training sequences")
+            raise SpmdError(f"a batch of {batch_size} sequences (optim.batch_size / optim.grad_accum) is more than "
+                            f"the {size} training sequences of the corpus; give more text (data.path, "
+                            f"data.max_bytes), or lower optim.batch_size or data.seq_len")
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
         self.per_epoch = size // batch_size  # drop the odd last batch
 

@@ -57,6 +57,20 @@ def _hf_config(cfg, vocab_size: int):
     return config
 
 
+def pretrained_config(path: str):
+    """The transformers config of a local pretrained directory (``model.pretrained``)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise SpmdError("model.pretrained needs transformers: pip install 'torchspmd[train]'") from None
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpmdError(f"model.pretrained = {path!r}: not a transformers model directory ({first}); give a "
+                        f"directory written by save_pretrained (config.json and the weights)") from None
+
+
 def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     """The model (parameters on meta if ``cfg.meta_init``) and a description: kind,
     max positions, the hf config (or None)."""
