@@ -192,6 +192,8 @@ attempt("env=0")
 del os.environ["TORCHSPMD_NUM_DEVICES"]
 if not torch.cuda.is_available():
     attempt("cuda", backend="cuda")
+    os.environ["TORCHSPMD_BACKEND"] = "cuda"
+    attempt("cuda env")
 print(json.dumps(out))
 """
 
@@ -202,7 +204,11 @@ def test_use_spmd_errors():
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["num_devices=0"] == "use_spmd(num_devices=0): give a positive integer"
-    assert got["env=0"] == "TORCHSPMD_NUM_DEVICES=0: the number of devices must be at least 1"
+    assert got["env=0"] == ("TORCHSPMD_NUM_DEVICES=0: the number of devices must be at least 1; set it to the "
+                            "number of processes to run, or unset it")
+    if "cuda env" in got:
+        assert got["cuda env"] == ("TORCHSPMD_BACKEND=cuda: no CUDA device is visible to PyTorch "
+                                   "(torch.cuda.is_available() is False); use TORCHSPMD_BACKEND=cpu")
     if "cuda" in got:
         assert got["cuda"] == ("use_spmd(backend='cuda'): no CUDA device is visible to PyTorch "
                                "(torch.cuda.is_available() is False); use backend='cpu'")

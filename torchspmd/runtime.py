@@ -104,9 +104,10 @@ def _choose_backend(requested: str | None) -> str:
         if not xla.installed():
             xla.require(where)
     if name == "cuda" and not torch.cuda.is_available():
+        where, fix = ("use_spmd(backend='cuda')", "backend='cpu'") if requested else \
+            (f"{ENV_BACKEND}=cuda", f"{ENV_BACKEND}=cpu")
         raise SpmdError(
-            "use_spmd(backend='cuda'): no CUDA device is visible to PyTorch "
-            "(torch.cuda.is_available() is False); use backend='cpu'"
+            f"{where}: no CUDA device is visible to PyTorch (torch.cuda.is_available() is False); use {fix}"
         )
     return name
 
@@ -117,7 +118,8 @@ def _parse_count(value: str, source: str) -> int:
     except ValueError:
         raise SpmdError(f"{source}={value!r} is not an integer; set it to the number of devices") from None
     if n < 1:
-        raise SpmdError(f"{source}={n}: the number of devices must be at least 1")
+        raise SpmdError(f"{source}={n}: the number of devices must be at least 1; set it to the number of "
+                        f"processes to run, or unset it")
     return n
 
 
