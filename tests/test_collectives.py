@@ -1,5 +1,9 @@
-"""The all-reduce forms of FSDP2's collectives give the native collectives' results, and
-FSDPv2 trains like one device with each variant (uneven sizes, 2, 3 and 4 processes)."""
+"""FSDPv2's collectives (torchspmd/fsdp/collectives.py): the all-reduce forms give the
+native collectives' results; the shared-memory ones are exact on random fp32 and bf16 data
+(stated below), grow their buffer, and stay right when one process is late; and the choice
+of variant."""
+
+import os
 
 import pytest
 import torch
@@ -8,15 +12,11 @@ import torchspmd as ts
 
 
 def _compare(numel):
-    """Each variant against the native collective, on integer-valued floats (sums exact)."""
+    """The all-reduce forms against the native collectives, on integer-valued floats (sums
+    exact in any order)."""
     import torch.distributed as dist
 
-    from torchspmd.fsdp.collectives import (
-        AllReduceAllGather,
-        AllReduceReduceScatter,
-        SharedMemoryAllGather,
-        SharedMemoryReduceScatter,
-    )
+    from torchspmd.fsdp.collectives import AllReduceAllGather, AllReduceReduceScatter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -38,28 +38,7 @@ def _compare(numel):
     dist.reduce_scatter_tensor(rs_native, full.clone())
     rs_ours = torch.empty(numel)
     AllReduceReduceScatter()(rs_ours, full.clone(), group, dist.ReduceOp.SUM)
-    # Shared memory: several rounds (the buffer halves alternate, sizes grow and shrink).
-    shm_ok = True
-    import torchspmd.fsdp.collectives as coll
-
-    coll.RS_STEP_BYTES = 64  # the reduce-scatter in many small steps
-    ag, rs = SharedMemoryAllGather(group), SharedMemoryReduceScatter(group)
-    for k, n in enumerate([numel, 3 * numel + 1, numel, 2 * numel]):
-        piece = torch.randint(-50, 50, (n,), generator=g).float() + k
-        want = torch.empty(n * world)
-        dist.all_gather_into_tensor(want, piece)
-        out = ag.allocate((n * world,), dtype=torch.float32, device=torch.device("cpu"))
-        out.view(world, -1)[rank].copy_(piece)
-        ag(out, out.view(world, -1)[rank], group)
-        shm_ok &= torch.equal(out, want)
-        grads = torch.randint(-50, 50, (n * world,), generator=g).float()
-        want_rs = torch.empty(n)
-        dist.reduce_scatter_tensor(want_rs, grads.clone())
-        got_rs = torch.empty(n)
-        rs(got_rs, grads, group, dist.ReduceOp.SUM)
-        shm_ok &= torch.equal(got_rs, want_rs)
-    coll.RS_STEP_BYTES = 8 * 2**20
-    return (torch.equal(native, ours), torch.equal(native, separate), torch.equal(rs_native, rs_ours) and shm_ok,
+    return (torch.equal(native, ours), torch.equal(native, separate), torch.equal(rs_native, rs_ours),
             torch.isinf(ours[0]).item())
 
 
@@ -100,3 +79,232 @@ def _bad_choice():
 
 def test_unknown_variant_is_refused(dist):
     assert "collectives='fastest'" in dist(2).run(_bad_choice)[0]
+
+
+# -- the shared-memory collectives on random data ---------------------------------------------
+# What is guaranteed (and measured here): the all-gather is a copy, bit-identical to gloo's on
+# every rank. The reduce-scatter sums each element over the processes in rank order,
+# ((x_0 + x_1) + x_2) + ..., accumulating in float32 (bf16 inputs are rounded to bf16 once, at
+# the end), whatever order the processes arrive in: each rank's shard is bit-identical to that
+# fixed-order sum, so the reduced tensor is one value, the same on every run. gloo's own
+# reduce-scatter adds in ring order (a different order for each shard, every addition rounded to
+# the dtype), so against gloo the tolerance is the sum of the two rounding-error bounds:
+# |shm - exact| <= gamma(W-1, 2^-24) * sum|x_i| (+ 2^-8 |sum| for the final bf16 rounding),
+# |gloo - exact| <= gamma(W-1, u) * sum|x_i| with u the dtype's unit roundoff (2^-24, 2^-8),
+# where gamma(k, u) = k u / (1 - k u) (recursive summation; Higham, Accuracy and Stability of
+# Numerical Algorithms, 4.2).
+
+_UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8}
+
+
+def _data(kind, n, dtype, seed, world, rank):
+    """This rank's input of one call: a shard of ``n`` elements to all-gather ("ag"), or
+    ``n * world`` gradients to reduce-scatter ("rs"). Random values over six orders of
+    magnitude (sums that cancel), the same in the workers and in the test process."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    numel = n if kind == "ag" else n * world
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x *= torch.exp(2 * torch.randn(numel, generator=g, dtype=torch.float64))
+    return x.to(getattr(torch, dtype))
+
+
+def _busy(seconds):
+    """Real work for a while: skews this rank against the others."""
+    import time
+
+    a, start = torch.randn(64, 64), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a = torch.tanh(a @ a)
+
+
+def _shm_calls(calls, fresh_group=False, with_gloo=False):
+    """Run ``calls`` through the shared-memory all-gather / reduce-scatter, as FSDP2 drives
+    them (the all-gather input copied into its slot of the buffer ``allocate`` gave), and
+    return each call's output (and gloo's, ``with_gloo``), the arena's size and file after it,
+    and for each of those files whether it still exists and whether it is still mapped.
+    A call: (kind, n, dtype, seed, rs_step, skew), ``rs_step`` the reduce-scatter's elements
+    per step (None: the default), ``skew`` (rank, where, seconds) or None: that rank works
+    for a while before the call ("before"), between ``allocate`` and the all-gather
+    ("between") or between the all-gather and reading its output ("after")."""
+    import torch.distributed as dist
+
+    import torchspmd.fsdp.collectives as coll
+
+    group = dist.new_group(list(range(dist.get_world_size()))) if fresh_group else dist.group.WORLD
+    world, rank = group.size(), group.rank()
+    ag, rs = coll.SharedMemoryAllGather(group), coll.SharedMemoryReduceScatter(group)
+    default_step, results, out = coll.RS_STEP_BYTES, [], None
+    try:
+        for kind, n, dtype, seed, rs_step, skew in calls:
+            x = _data(kind, n, dtype, seed, world, rank)
+            delay = skew[2] if skew and skew[0] == rank else 0
+            where = skew[1] if delay else None
+            if where == "before":
+                _busy(delay)
+            if kind == "ag":
+                out = ag.allocate((n * world,), dtype=x.dtype, device=torch.device("cpu"))
+                out.view(world, -1)[rank].copy_(x)
+                if where == "between":
+                    _busy(delay)
+                ag(out, out.view(world, -1)[rank], group)
+                if where == "after":
+                    _busy(delay)
+                got = out.clone()
+                native = torch.empty_like(got)
+                if with_gloo:
+                    dist.all_gather_into_tensor(native, x, group=group)
+            else:
+                coll.RS_STEP_BYTES = rs_step * world * world * x.element_size() if rs_step else default_step
+                got = torch.empty(n, dtype=x.dtype)
+                rs(got, x.clone(), group, dist.ReduceOp.SUM)
+                native = torch.empty_like(got)
+                if with_gloo:
+                    dist.reduce_scatter_tensor(native, x.clone(), group=group)
+            arena = coll._ARENAS[(id(group), "all_gather" if kind == "ag" else "reduce_scatter")]
+            results.append((got, native if with_gloo else None, arena.capacity, arena.path))
+    finally:
+        coll.RS_STEP_BYTES = default_step
+    del out
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return results, {path: (os.path.exists(path), path in maps) for *_, path in results}
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _check(calls, per_rank):
+    """The outputs of ``calls`` on every rank against references computed here, in plain
+    torch: the all-gather bit for bit; the reduce-scatter bit for bit against the rank-order
+    float32 sum, and within the rounding-error bounds (above) of the float64 sum and of gloo's."""
+    world = len(per_rank)
+    per_rank = [results for results, _ in per_rank]
+    worst = {}
+    for i, (kind, n, dtype, seed, _, _) in enumerate(calls):
+        xs = [_data(kind, n, dtype, seed, world, r) for r in range(world)]
+        if kind == "ag":
+            want = torch.cat(xs)
+            for rank, results in enumerate(per_rank):
+                got, native, *_ = results[i]
+                assert torch.equal(_bits(got), _bits(want)), f"all-gather {i} wrong on rank {rank}"
+                if native is not None:
+                    assert torch.equal(_bits(native), _bits(want)), "gloo's all-gather is a copy too"
+            continue
+        in_order = xs[0].float()
+        for x in xs[1:]:
+            in_order = in_order + x.float()  # rank order, float32
+        in_order = in_order.to(xs[0].dtype)
+        exact = torch.stack([x.double() for x in xs]).sum(0)  # off by <= 3 * 2^-53 * sum|x|: negligible here
+        magnitude = torch.stack([x.double().abs() for x in xs]).sum(0)
+        u = _UNIT_ROUNDOFF[dtype]
+        gamma = lambda u: (world - 1) * u / (1 - (world - 1) * u)  # noqa: E731
+        shm_bound = gamma(2.0**-24) * magnitude
+        if dtype == "bfloat16":
+            shm_bound = shm_bound + u * (exact.abs() + shm_bound)
+        gloo_bound = gamma(u) * magnitude
+        for rank, results in enumerate(per_rank):
+            got, native, *_ = results[i]
+            mine = slice(rank * n, (rank + 1) * n)
+            assert torch.equal(_bits(got), _bits(in_order[mine])), (
+                f"reduce-scatter {i} ({dtype}, n={n}) on rank {rank}: not the rank-order float32 sum")
+            assert ((got.double() - exact[mine]).abs() <= shm_bound[mine]).all()
+            if native is not None:
+                assert ((native.double() - exact[mine]).abs() <= gloo_bound[mine]).all()
+                diff = (got.double() - native.double()).abs()
+                assert (diff <= shm_bound[mine] + gloo_bound[mine]).all(), "shm and gloo differ beyond the bounds"
+                worst[dtype] = max(worst.get(dtype, 0.0), (diff / magnitude[mine]).max().item())
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shared_memory_collectives_on_random_data(dist, world):
+    """fp32 and bf16, uneven sizes, the reduce-scatter in one or many steps (with a remainder):
+    bit-identical to the rank-order sum on every rank, within the bounds of gloo's."""
+    calls = [(kind, n, dtype, seed, step, None)
+             for seed, (n, step) in enumerate([(1, None), (7, 3), (1031, 100), (20011, None)])
+             for dtype in ("float32", "bfloat16") for kind in ("ag", "rs")]
+    per_rank = dist(world).run(_shm_calls, calls, with_gloo=True)
+    worst = _check(calls, per_rank)
+    if world == 2:  # one addition, a + b == b + a: gloo's result exactly
+        assert worst == {"float32": 0.0, "bfloat16": 0.0}, worst
+    else:  # not vacuous: the sums do differ from gloo's (other orders, bf16 rounded at each step)
+        assert worst["float32"] > 0 and worst["bfloat16"] > 0, worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_arena_grows(dist, world):
+    """A fresh group: small calls, calls larger than the arena (it grows, on every rank, and the
+    results stay exact), small ones again (in the grown arena), then a bf16 call. No file is
+    left in /dev/shm, and the buffers grown out of are unmapped."""
+    n_big = 300_007  # > 1 MB per all-gather output and per reduce-scatter step
+    calls = [("ag", 10, "float32", 1, None, None), ("rs", 10, "float32", 2, None, None),
+             ("ag", n_big, "float32", 3, None, None), ("rs", n_big, "float32", 4, None, None),
+             ("ag", 9, "float32", 5, None, None), ("rs", 9, "float32", 6, None, None),
+             ("ag", 1001, "bfloat16", 7, None, None), ("rs", 1001, "bfloat16", 8, 100, None)]
+    per_rank = dist(world).run(_shm_calls, calls, fresh_group=True, with_gloo=True)
+    _check(calls, per_rank)
+    first = [c for _, _, c, _ in per_rank[0][0]]
+    big_ag, big_rs = n_big * world * 4, min(n_big, 8 * 2**20 // (world * world * 4)) * world * world * 4
+    for results, files in per_rank:
+        capacity = [c for _, _, c, _ in results]
+        assert capacity == first and capacity[0] == capacity[1] == 2**20, capacity  # same everywhere
+        assert capacity[2] >= big_ag > 2**20 and capacity[3] >= big_rs > 2**20, capacity  # grown
+        assert capacity[4:] == [capacity[2], capacity[3]] * 2, capacity  # and kept
+        paths = [p for *_, p in results]
+        assert len(set(paths)) == 4 and paths[4:] == paths[2:4] * 2, paths
+        assert not any(exists for exists, _ in files.values()), files  # deleted once mapped
+        assert [files[p][1] for p in paths[:4]] == [False, False, True, True], files  # old ones unmapped
+
+
+def test_shared_memory_collectives_with_a_late_process(dist):
+    """One process works for a while (0.3 s, real computation) at each point of the calls where
+    a missing wait would let the others read a slot before it is written or overwrite one still
+    being read: the results are still exact, on every rank."""
+    calls = [("ag", 513, "float32", 1, None, (1, "before", 0.3)),
+             ("ag", 513, "float32", 2, None, (1, "between", 0.3)),
+             ("ag", 513, "float32", 3, None, (1, "after", 0.3)),
+             ("ag", 513, "float32", 4, None, (0, "after", 0.3)),
+             ("ag", 2**18, "float32", 5, None, (0, "before", 0.3)),  # grows: rank 0 creates the segment
+             ("rs", 513, "float32", 6, 64, (1, "before", 0.3)),
+             ("rs", 513, "float32", 7, 64, (2, "before", 0.3)),
+             ("rs", 2**18, "float32", 8, None, (0, "before", 0.3)),
+             ("ag", 5, "float32", 9, None, None), ("rs", 5, "float32", 10, None, None)]
+    _check(calls, dist(3).run(_shm_calls, calls, fresh_group=True))
+
+
+def _no_room():
+    """A unit too big for /dev/shm (1 PiB): the buffer cannot be made."""
+    import torch.distributed as dist
+
+    from torchspmd.fsdp.collectives import SharedMemoryAllGather
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    try:
+        SharedMemoryAllGather(group).allocate((2**48,), dtype=torch.float32, device=torch.device("cpu"))
+    except ts.SpmdError as e:
+        return str(e)
+
+
+def test_shared_memory_buffer_that_cannot_be_made_fails_on_every_rank(dist):
+    """The error (/dev/shm too small) is raised on every rank, naming the setting and the way out,
+    before any memory is touched."""
+    for message in dist(2).run(_no_room):
+        assert message and "collectives='shm'" in message and "1125899906842624-byte" in message, message
+        assert "/dev/shm" in message and "--shm-size" in message and "collectives='allreduce'" in message, message
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
+    """The reduce-scatter's sum, for more processes than the multi-process tests start (where
+    ``torch.sum`` over the rows would regroup them): exactly the rank-order float32 sum."""
+    from torchspmd.fsdp.collectives import _sum_in_rank_order
+
+    for world in (2, 5, 8, 17):
+        rows = torch.stack([_data("ag", 1003, dtype, 11, world, r) for r in range(world)])
+        want = rows[0].float()
+        for r in range(1, world):
+            want = want + rows[r].float()
+        got = torch.empty(1003, dtype=rows.dtype)
+        _sum_in_rank_order(rows, got)
+        assert torch.equal(_bits(got), _bits(want.to(rows.dtype))), world

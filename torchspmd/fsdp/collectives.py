@@ -3,7 +3,8 @@
 
 gloo moves every byte through TCP sockets, even between processes of one machine; that
 is where FSDP on CPUs loses its time (``bench/collectives.py`` measures it). FSDPv2's
-variants, all giving the native collectives' results:
+variants (what each computes exactly: ``docs/performance.md``, measured by
+``tests/test_collectives.py``):
 
 - ``"shm"`` (processes of one machine): the collectives go through shared memory. The
   all-gather output buffer FSDP2 asks for *is* one shared buffer: once every process is
@@ -11,9 +12,11 @@ variants, all giving the native collectives' results:
   copies each process's shard into its slot, a second barrier, and every process reads
   the whole parameters from it. The reduce-scatter goes in steps through a small shared
   buffer (two halves of ``RS_STEP_BYTES`` used in turn): each process writes its piece
-  for every destination, a barrier, and each sums its own column. No bytes go through a
-  socket; the barriers are gloo's. The shared memory is the size of the largest unit's
-  gathered parameters plus 16 MB.
+  for every destination, a barrier, and each sums its own column, in rank order and in
+  float32 (so every shard is the same fixed-order sum whoever arrives first; gloo's own
+  sums in ring order and differs by rounding). No bytes go through a socket; the barriers
+  are gloo's. The shared memory is the size of the largest unit's gathered parameters plus
+  16 MB (a buffer grown out of is unmapped once FSDP2 no longer views it).
 - ``"allreduce"``: all-gather as an all-reduce of the output holding this process's
   shard and zeros (the exact values), reduce-scatter as an in-place all-reduce keeping
   this process's slot. gloo's all-reduce beats its reduce-scatter of the same bytes
@@ -29,7 +32,9 @@ variants by name.
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 from typing import Sequence
 
 import torch
@@ -91,7 +96,12 @@ class AllReduceReduceScatter(_Alloc, ReduceScatter):
 class _Arena:
     """A shared-memory buffer for one process group, in ``parts`` used in turn. Growing it
     is collective: every process asks for the same sizes in the same order (FSDP2's
-    collectives are issued in one order everywhere)."""
+    collectives are issued in one order everywhere).
+
+    The memory is a file in ``/dev/shm`` that every process maps (``torch.from_file``), and
+    that the first process deletes as soon as all have mapped it: nothing is left behind, no
+    resource tracker is involved, and a buffer the arena grew out of is unmapped once no
+    tensor views it any more."""
 
     def __init__(self, group: dist.ProcessGroup, parts: int):
         self.group = group
@@ -99,30 +109,29 @@ class _Arena:
         self.halves: list[torch.Tensor] = []
         self.capacity = 0
         self.turn = 0
-        self.segments: list = []  # keep the mappings alive
+        self.path = ""  # the (deleted) file of the current buffer
 
     def _grow(self, nbytes: int) -> None:
-        from multiprocessing import resource_tracker, shared_memory
-
         size = self.parts * nbytes
         rank = self.group.rank()
-        name = [None]
+        made = [None, None]  # the file's path, or why it could not be made
         if rank == 0:
-            seg = shared_memory.SharedMemory(create=True, size=size)
-            name = [seg.name]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if rank != 0:
-            seg = shared_memory.SharedMemory(name=name[0])
-            # Only the creator unlinks it (which also tells Python's resource tracker); the
-            # others' trackers must not unlink it again at exit.
-            resource_tracker.unregister(seg._name, "shared_memory")
-        dist.barrier(group=self.group)
-        if rank == 0:
-            seg.unlink()  # gone from /dev/shm now; the mappings live until the processes end
-        base = torch.frombuffer(seg.buf, dtype=torch.uint8)
+            made = _shared_file(size)
+        try:
+            dist.broadcast_object_list(made, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if made[1] is not None:
+                raise SpmdError(
+                    f"FSDPv2(collectives='shm'): {made[1]}; give it more room (docker run --shm-size=...) "
+                    "or use FSDPv2(collectives='allreduce')"
+                )
+            base = torch.from_file(made[0], shared=True, size=size, dtype=torch.uint8)
+            dist.barrier(group=self.group)  # every process has mapped it
+        finally:
+            if rank == 0 and made[0] is not None:
+                os.unlink(made[0])  # the mappings live on; nothing is left in /dev/shm
         self.halves = [base[i * nbytes:(i + 1) * nbytes] for i in range(self.parts)]
         self.capacity = nbytes
-        self.segments.append(seg)
+        self.path = made[0]
 
     def next(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the next part."""
@@ -131,6 +140,31 @@ class _Arena:
         part = self.halves[self.turn]
         self.turn = (self.turn + 1) % self.parts
         return part[:nbytes]
+
+
+def _shared_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _shared_file(size: int) -> list:
+    """``[path, None]`` of a new file of ``size`` bytes in :func:`_shared_dir`, its space
+    reserved (so that a full ``/dev/shm`` fails here, not with a SIGBUS at first touch), or
+    ``[None, reason]``."""
+    path, where = None, _shared_dir()
+    try:
+        fd, path = tempfile.mkstemp(prefix="torchspmd-", dir=where)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return [path, None]
+    except OSError as e:
+        if path is not None:
+            os.unlink(path)
+        return [None, f"cannot make a {size}-byte shared-memory buffer in {where} ({e})"]
 
 
 _ARENAS: dict[tuple[int, str], _Arena] = {}
@@ -178,7 +212,8 @@ class SharedMemoryAllGather(AllGather):
 class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
     """Reduce-scatter through a small shared buffer, in steps: each process writes its
     piece for every destination into its row, one barrier, and each process sums its
-    column. Two halves used in turn, so the buffer stays ``2 * RS_STEP_BYTES``."""
+    column, adding the processes' pieces in rank order (:func:`_sum_in_rank_order`). Two
+    halves used in turn, so the buffer stays ``2 * RS_STEP_BYTES``."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -199,8 +234,21 @@ class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
             buf = arena.next(world * world * m * size).view(input_tensor.dtype).view(world, world, m)
             buf[rank].copy_(src[:, start:start + m])
             dist.barrier(group=group)  # every row written
-            torch.sum(buf[:, rank], dim=0, out=out[start:start + m])
+            _sum_in_rank_order(buf[:, rank], out[start:start + m])
         return _Done() if async_op else None
+
+
+def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = ((rows[0] + rows[1]) + rows[2]) + ...``, accumulated in float32 (or the
+    rows' dtype when wider) and rounded to ``out``'s dtype once, at the end: one fixed
+    order, whatever the number of rows. (``torch.sum`` over the rows adds in this order only
+    up to 4 rows on CPU: its vectorized kernel regroups more.)"""
+    narrow = out.is_floating_point() and torch.finfo(out.dtype).bits < 32
+    acc = rows[0].to(torch.float32) if narrow else out.copy_(rows[0])
+    for r in range(1, rows.shape[0]):
+        acc.add_(rows[r])
+    if narrow:
+        out.copy_(acc)
 
 
 def _same_machine(group: dist.ProcessGroup) -> bool:
