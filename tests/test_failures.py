@@ -190,3 +190,20 @@ def test_only_lost_connections_say_so(tmp_path, monkeypatch):
     text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost)})
     assert text.splitlines()[1] == ("torchspmd: rank 0 lost its connection to another process: that process (on "
                                     "another host, or not started by this launcher) probably failed first"), text
+
+
+def test_an_error_the_cli_prints_is_summarised_as_printed(tmp_path):
+    # A setting error inside a worker: the CLI prints one line and exits 2; the summary names
+    # it from the worker's record and does not promise a traceback.
+    r, summary, _ = _run(tmp_path, """
+        from torchspmd.cli import main
+        sys.exit(main(["export", str(os.path.join(os.path.dirname(__file__), "no-such-checkpoint")),
+                       str(os.path.join(os.path.dirname(__file__), "exported"))]))
+    """)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(summary) == 4, summary  # each worker's line, then the summary's two
+    first, second = summary[2], summary[3]
+    assert first.startswith("torchspmd: rank ") and "failed: SpmdError: " in first, summary
+    assert "no-such-checkpoint: not a torchspmd checkpoint" in first and first.endswith("its message is printed above")
+    assert second.endswith("failed with the same error"), summary

@@ -51,7 +51,7 @@ class _Recorder(ErrorHandler):
     apart, and where it was raised. The file is replaced atomically: the launcher may stop
     this process while it writes."""
 
-    def record_exception(self, e: BaseException) -> None:
+    def record_exception(self, e: BaseException, handled: bool = False) -> None:
         path = self._get_error_file_path()
         if not path:
             return
@@ -67,6 +67,7 @@ class _Recorder(ErrorHandler):
                     "type": type(e).__name__,
                     "text": str(e),
                     "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
+                    "handled": handled,  # printed by the program as one line, without a traceback
                 },
             }
         }
@@ -95,6 +96,16 @@ def record_failures() -> None:
 
     hook._torchspmd_records = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def record_error(e: BaseException) -> None:
+    """Record an error a worker handles itself (the CLI prints a setting error as one line
+    and exits with status 2) for the launcher's summary, as an uncaught one would be."""
+    if os.environ.get(ERROR_FILE_ENV):
+        try:
+            _Recorder().record_exception(e, handled=True)
+        except Exception:
+            pass
 
 
 # --- in the launching process ---------------------------------------------------------
@@ -129,6 +140,7 @@ class _Failure:
     error: str | None  # "Type: message" of the recorded exception, None without a record
     where: str
     time: float
+    handled: bool  # the program printed the error itself (one line), not a traceback
     lost_connection: bool  # its error is a lost connection to a peer: a consequence
     stopped: bool  # stopped by the launcher (no record): a consequence
 
@@ -159,13 +171,13 @@ def _failure(rank: int, f: ProcessFailure, stopped_pids: set[int]) -> _Failure:
         type_name, _, text = error.partition(": ")
         type_name, text = extra.get("type", type_name), extra.get("text", text)
         when = float(extra.get("time", f.timestamp))
-        return _Failure(rank, f.exitcode, error, extra.get("where", ""), when,
+        return _Failure(rank, f.exitcode, error, extra.get("where", ""), when, bool(extra.get("handled")),
                         _lost_connection(type_name, text), False)
     if stopped_pids:
         stopped = f.pid in stopped_pids
     else:  # the agent's log lines were not seen: its signal is SIGTERM
         stopped = f.exitcode == -signal.SIGTERM
-    return _Failure(rank, f.exitcode, None, "", float(f.timestamp), False, stopped)
+    return _Failure(rank, f.exitcode, None, "", float(f.timestamp), False, False, stopped)
 
 
 def _short(text: str, n: int = 200) -> str:
@@ -194,8 +206,9 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
     r = root.rank
     if root.error is not None:
         at = f" (at {root.where})" if root.where else ""
-        lines = [f"torchspmd: rank {r} failed: {_short(root.error, 1000)}{at}; its traceback is printed above, "
-                 f"in lines starting [rank{r}]:"]
+        shown = "its message is printed above" if root.handled else \
+            f"its traceback is printed above, in lines starting [rank{r}]:"
+        lines = [f"torchspmd: rank {r} failed: {_short(root.error, 1000)}{at}; {shown}"]
         if root.lost_connection:
             lines.append(f"torchspmd: rank {r} lost its connection to another process: that process (on another "
                          f"host, or not started by this launcher) probably failed first")

@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except SpmdError as e:
+        from torchspmd._launch import record_error
+
+        record_error(e)  # in a worker: the launcher's summary names it
         print(f"torchspmd: {e}", file=sys.stderr)
         return 2
 
