@@ -69,7 +69,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="global batch (per_device_train_batch_size under SPMD)")
     p.add_argument("--out", default="runs/hf_finetune")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute over fp32 shards")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 shards, as transformers' Trainer")
     args = p.parse_args()
 
     if args.devices is None and not os.environ.get("PJRT_DEVICE"):

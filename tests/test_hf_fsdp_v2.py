@@ -1,12 +1,13 @@
 """torchspmd.hf.fsdp_v2: optimum-tpu's helpers for every architecture."""
 
+import peft
 import pytest
 import torch.nn as nn
+import transformers
 
 import torchspmd as ts
 from torchspmd.hf import fsdp_v2
 
-transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=48, max_position_embeddings=32)
@@ -50,7 +51,6 @@ def test_without_no_split_modules_the_repeated_blocks_are_found():
 
 
 def test_peft_model_is_unwrapped():
-    peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_model("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert fsdp_v2.find_layer_classes(model) == ["Qwen2DecoderLayer"]
 

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 from torchspmd.plan import estimate, model_facts
 
-transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 

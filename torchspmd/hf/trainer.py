@@ -14,7 +14,8 @@ trainer runs the SPMD program torch_xla runs on a TPU host, over all the process
   ``transformer_layer_cls_to_wrap`` layer (or by ``min_num_params``); parameters,
   gradients and optimizer state are split over the devices; ``xla_fsdp_grad_ckpt`` adds
   ``checkpoint_module`` to each wrapped layer and turns ``use_cache`` off; ``bf16=True``
-  computes in bf16 over fp32 shards with fp32 gradient reduction;
+  means what it means to the stock trainer: the forward runs under accelerate's bf16
+  autocast (outputs converted to fp32) over fp32 parameters, gradients and reductions;
 - ``per_device_train_batch_size`` is the global batch of one step (torch_xla's SPMD
   meaning: the batch of the one program, split over the devices): every process reads
   and collates the whole batch (so that dynamic padding agrees) and keeps its rows;
@@ -234,10 +235,9 @@ class Trainer(transformers.Trainer):
             # The model's own loss is then a mean over this process's rows, made global as the
             # row-weighted mean: it must not be a sum divided by a global token count.
             self.model_accepts_loss_kwargs = False
-        self.model_wrapped = FSDPv2(
-            model, mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit,
-            mixed_precision="bf16" if self.args.bf16 else None,
-        )
+        self.model_wrapped = FSDPv2(model, mesh, auto_wrap_policy=policy, auto_wrapper_callable=unit)
+        if self.accelerator.native_amp:
+            self._spmd_autocast(self.model_wrapped)
         self._spmd_rows = mesh.mesh_shape[mesh.axis_names.index("fsdp")]
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             rows = getattr(self.args, name)
@@ -252,6 +252,18 @@ class Trainer(transformers.Trainer):
         self.accelerator.gather = _gather_global
         self.accelerator.gather_for_metrics = _gather_global
         self.gather_function = _gather_global
+
+    def _spmd_autocast(self, wrapped: nn.Module) -> None:
+        """``bf16=True`` as the stock trainer has it: accelerate's ``prepare`` runs the
+        model's forward under its autocast context and converts the outputs to fp32; the
+        sharded model skips ``prepare``, so its forward gets the same two wrappers here.
+        (Not FSDP2's bf16 parameter casting: that computes norms, residuals and gradients in
+        bf16 too, a different training from the stock trainer's.)"""
+        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+        autocast = get_mixed_precision_context_manager(self.accelerator.native_amp, self.accelerator.autocast_handler)
+        wrapped._original_forward = wrapped.forward
+        wrapped.forward = convert_outputs_to_fp32(autocast(wrapped.forward))
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._spmd:

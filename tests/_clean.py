@@ -1,0 +1,123 @@
+"""Clean processes: run a test's function in fresh interpreters (multiprocessing's spawn
+context) that, by default, never import torchspmd — the single-process (or plain-PyTorch
+multi-process) reference a torchspmd run is compared with — or in which a test may change
+process-wide state (``use_spmd()``, mocks) that then ends with the process.
+
+``run_clean(fn, *args)`` runs ``fn`` in one such process and returns its result;
+``run_clean(fn, *args, world=2)`` runs it on every rank of a fresh gloo group (the
+environment torchrun gives, ``init_process_group("gloo")`` done before and destroyed
+after) and returns each rank's result. ``fn`` must be a module-level function of a
+module that, with ``allow_torchspmd=False``, does not import torchspmd at import time. The
+process starts without the launcher's and torchspmd's environment variables (``RANK``,
+``TORCHSPMD_BACKEND``, ...), with ``OMP_NUM_THREADS=1``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from multiprocessing.connection import wait
+
+# Set by launchers and by the multi-rank test pool: a clean process must not see them.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHSPMD_NUM_DEVICES",
+               "CPU_NUM_DEVICES", "TORCHSPMD_BACKEND", "PJRT_DEVICE")
+TIMEOUT = float(os.environ.get("TORCHSPMD_TEST_TIMEOUT", 180))
+
+
+def _torchspmd_modules() -> list[str]:
+    import sys
+
+    return sorted(m for m in sys.modules if m == "torchspmd" or m.startswith("torchspmd."))
+
+
+def _child(module: str, name: str, args, kwargs, rank: int, world: int, port: int, allow_torchspmd: bool,
+           conn) -> None:
+    try:
+        for k in _LAUNCH_ENV:
+            os.environ.pop(k, None)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if world > 1:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import importlib
+
+        import torch
+
+        torch.set_num_threads(1)
+        fn = getattr(importlib.import_module(module), name)
+        if not allow_torchspmd and _torchspmd_modules():
+            raise AssertionError(f"the clean process imported {_torchspmd_modules()} before running {name}")
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            if world > 1:
+                dist.destroy_process_group()
+        if not allow_torchspmd and _torchspmd_modules():
+            raise AssertionError(f"{name} imported {_torchspmd_modules()} in the clean process")
+        # plain pickle: torch's multiprocessing pickler would share tensors through file
+        # descriptors of this process, which ends before the parent reads them
+        conn.send_bytes(pickle.dumps((True, result)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_clean(fn, *args, world: int = 1, allow_torchspmd: bool = False, timeout: float = TIMEOUT, **kwargs):
+    """``fn(*args, **kwargs)`` in ``world`` fresh processes (see the module's docstring):
+    its result (``world == 1``) or the list of results by rank."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn.__module__, fn.__name__, args, kwargs, rank, world, port,
+                                             allow_torchspmd, child))
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    pending = dict(enumerate(pipes))
+    try:
+        while pending and not errors:  # a failed rank ends the wait (the others may hang on it)
+            ready = wait(list(pending.values()), timeout)
+            if not ready:
+                raise AssertionError(f"{fn.__name__} in a clean process: no answer from ranks {sorted(pending)} "
+                                     f"within {timeout}s")
+            for rank in [r for r, c in pending.items() if c in ready]:
+                conn = pending.pop(rank)
+                try:
+                    ok, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    procs[rank].join(5)
+                    errors.append(f"rank {rank} died (exit code {procs[rank].exitcode})")
+                    continue
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(0 if errors else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed in a clean process:\n" + "\n".join(errors))
+    return results[0] if world == 1 else [results[r] for r in range(world)]
