@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Variables a launcher or the test pool sets, which a fresh job must not inherit.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "CPU_NUM_DEVICES", "TORCHSPMD_NUM_DEVICES", "TORCHSPMD_BACKEND",
-               "TORCHSPMD_ALL_RANKS_OUTPUT", "PJRT_DEVICE")
+               "TORCHSPMD_ALL_RANKS_OUTPUT", "PJRT_DEVICE", "TORCHELASTIC_ERROR_FILE")
 
 
 def clean_env(**extra) -> dict[str, str]:

@@ -1,12 +1,12 @@
 """Every example runs as is on 2 CPU devices, prints the global loss once, and learns."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,8 +21,7 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_runs_on_two_cpu_devices(name):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["CPU_NUM_DEVICES"] = "2"
+    env = clean_env(CPU_NUM_DEVICES=2)
     r = subprocess.run([sys.executable, str(ROOT / "examples" / name), *EXAMPLES[name]], capture_output=True,
                        text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -34,8 +33,7 @@ def test_example_runs_on_two_cpu_devices(name):
 
 
 def test_checkpointing_by_hand_equals_auto_wrap():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["CPU_NUM_DEVICES"] = "2"
+    env = clean_env(CPU_NUM_DEVICES=2)
     outs = []
     for extra in ([], ["--by-hand"]):
         r = subprocess.run([sys.executable, str(ROOT / "examples" / "fsdp_v2_checkpointing.py"), "--steps", "3",
@@ -48,8 +46,7 @@ def test_checkpointing_by_hand_equals_auto_wrap():
 def test_hf_finetune_example(tmp_path):
     import trl  # noqa: F401  (the test extra installs it: its absence fails here, visibly)
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["CPU_NUM_DEVICES"] = "2"
+    env = clean_env(CPU_NUM_DEVICES=2)
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_finetune.py"), "--steps", "20",
                         "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

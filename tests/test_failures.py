@@ -4,7 +4,6 @@ End to end: tiny scripts under `torchspmd run --nproc 2`; then the summary's ord
 on error files written by the workers' recorder (torch.distributed.elastic's format)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from torchspmd import _launch
+from _helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +29,7 @@ rank = dist.get_rank()
 def _run(tmp_path, body):
     script = tmp_path / "prog.py"
     script.write_text(HEAD + textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")}
+    env = clean_env()
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script)],
                        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     summary = [l for l in r.stderr.splitlines() if l.startswith("torchspmd: ")]
@@ -193,8 +192,8 @@ def test_only_lost_connections_say_so(tmp_path, monkeypatch):
 
 
 def test_an_error_the_cli_prints_is_summarised_as_printed(tmp_path):
-    # A setting error inside a worker: the CLI prints one line and exits 2; the summary names
-    # it from the worker's record and does not promise a traceback.
+    # A setting error inside every worker: rank 0 prints it as one line, the others only
+    # record it; the job exits 2 and the summary does not repeat it or promise a traceback.
     r, summary, _ = _run(tmp_path, """
         from torchspmd.cli import main
         sys.exit(main(["export", str(os.path.join(os.path.dirname(__file__), "no-such-checkpoint")),
@@ -202,8 +201,26 @@ def test_an_error_the_cli_prints_is_summarised_as_printed(tmp_path):
     """)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert len(summary) == 4, summary  # each worker's line, then the summary's two
-    first, second = summary[2], summary[3]
-    assert first.startswith("torchspmd: rank ") and "failed: SpmdError: " in first, summary
-    assert "no-such-checkpoint: not a torchspmd checkpoint" in first and first.endswith("its message is printed above")
-    assert second.endswith("failed with the same error"), summary
+    assert r.stderr.count("no-such-checkpoint: not a torchspmd checkpoint") == 1, r.stderr  # once, by rank 0
+    assert summary[0].endswith("no-such-checkpoint: not a torchspmd checkpoint (or an output directory holding one)")
+    assert len(summary) == 3, summary
+    assert summary[1].startswith("torchspmd: rank ") and summary[1].endswith(
+        "failed: SpmdError (its message is printed above)"), summary
+    assert summary[2].endswith("failed with the same error"), summary
+
+
+def test_an_error_one_worker_prints_alone_is_in_the_summary(tmp_path):
+    # Only rank 1 fails with a printed error: rank 1 does not print it (rank 0 prints for all),
+    # so the summary carries the message.
+    r, summary, _ = _run(tmp_path, """
+        from torchspmd.cli import main
+        if rank == 1:
+            sys.exit(main(["export", str(os.path.join(os.path.dirname(__file__), "no-such-checkpoint")),
+                           str(os.path.join(os.path.dirname(__file__), "exported"))]))
+        dist.barrier()
+    """)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("no-such-checkpoint: not a torchspmd checkpoint") == 1, r.stderr
+    assert summary[0].startswith("torchspmd: rank 1 failed: SpmdError: "), summary
+    assert "no-such-checkpoint: not a torchspmd checkpoint" in summary[0] and "printed above" not in summary[0]
+    assert "after rank 1 failed" in summary[1], summary

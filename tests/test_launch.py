@@ -1,12 +1,12 @@
 """`python script.py` relaunching itself per device, `torchspmd run`, and the examples."""
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,10 +23,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+_env = clean_env
 
 
 def _run(args, **env):

@@ -1,7 +1,6 @@
 """`torchspmd plan`: its prediction against the measured peak of real FSDPv2 runs."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +9,13 @@ import pytest
 import transformers
 
 from torchspmd.plan import estimate, model_facts
+from _helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _measure(config_dir, devices, batch, seq, dtype, out):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = clean_env()
     # Big allocations straight from (and back to) the OS, so that the peak RSS is the peak of
     # the live tensors rather than of malloc's cached free memory.
     env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")

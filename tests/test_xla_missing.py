@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from _helpers import clean_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None,
                                 reason="torch_xla is installed here (tests/xla/ covers the backend)")
@@ -34,8 +35,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_asking_for_xla_without_torch_xla_says_how_to_install():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PJRT_DEVICE", "TORCHSPMD_BACKEND", "CPU_NUM_DEVICES")}
+    env = clean_env()
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(" | ", 1) for line in r.stdout.splitlines() if " | " in line)

@@ -33,6 +33,7 @@ _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 # Errors a process gets when a peer it communicates with has gone (or hangs): c10d's own
 # error types, and gloo's transport errors (raised as plain RuntimeError, e.g.
 # "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer").
+_ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"
 _LOST_CONNECTION_TYPES = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError"}
 _LOST_CONNECTION_TEXT = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
 
@@ -204,11 +205,14 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
                    key=lambda x: (x.kind, x.time, x.rank))
     root, others = items[0], sorted(items[1:], key=lambda x: x.rank)
     r = root.rank
-    if root.error is not None:
+    printed = root.handled and (r == 0 or any(o.rank == 0 and o.handled and o.error == root.error for o in others)
+                                or bool(os.environ.get(_ALL_RANKS_OUTPUT)))
+    if printed:  # the program printed it as one line (rank 0 prints for all): not again
+        lines = [f"torchspmd: rank {r} failed: {root.error.partition(':')[0]} (its message is printed above)"]
+    elif root.error is not None:
         at = f" (at {root.where})" if root.where else ""
-        shown = "its message is printed above" if root.handled else \
-            f"its traceback is printed above, in lines starting [rank{r}]:"
-        lines = [f"torchspmd: rank {r} failed: {_short(root.error, 1000)}{at}; {shown}"]
+        shown = "" if root.handled else f"; its traceback is printed above, in lines starting [rank{r}]:"
+        lines = [f"torchspmd: rank {r} failed: {_short(root.error, 1000)}{at}{shown}"]
         if root.lost_connection:
             lines.append(f"torchspmd: rank {r} lost its connection to another process: that process (on another "
                          f"host, or not started by this launcher) probably failed first")
@@ -229,7 +233,14 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
         else:
             what = f"was stopped ({o.status()}) after rank {r} failed"
         lines.append(f"torchspmd: rank {o.rank} {what}")
-    code = root.exitcode if root.exitcode > 0 else 128 - root.exitcode
+    if root.exitcode > 0:
+        code = root.exitcode
+    elif root.error is not None:
+        # It recorded its error and was exiting when the launcher stopped it: the status of a
+        # Python error (2 for one the CLI printed), not the launcher's signal.
+        code = 2 if root.handled else 1
+    else:
+        code = 128 - root.exitcode
     return "\n".join(lines), code
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from torchspmd._errors import SpmdError
@@ -111,8 +112,8 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("checkpoint", help="a checkpoint directory, or a train output directory")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=10, help="sample among the k likeliest tokens; 1: greedy (default 10)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from torchspmd.train.export import generate
@@ -145,10 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except SpmdError as e:
+        import torch.distributed as dist
+
         from torchspmd._launch import record_error
 
+        # Every process of a job raises the same error: rank 0 prints it, once; any other
+        # process's error reaches the launcher's summary through its record.
+        if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+                and not os.environ.get("TORCHSPMD_ALL_RANKS_OUTPUT")):
+            print(f"torchspmd: {e}", file=sys.stderr)
         record_error(e)  # in a worker: the launcher's summary names it
-        print(f"torchspmd: {e}", file=sys.stderr)
         return 2
 
 
