@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,3 +25,8 @@ def same_on_every_rank(results: list):
     """The one result every rank returned (errors included: each rank must raise the same)."""
     assert all(r == results[0] for r in results[1:]), f"the ranks disagree: {results!r}"
     return results[0]
+
+
+def example_losses(stdout: str) -> dict[int, float]:
+    """The examples' printed global losses ("Step N, Loss: L") by step."""
+    return {int(s): float(v) for s, v in re.findall(r"Step (\d+), Loss: ([0-9.]+)", stdout)}

@@ -5,12 +5,12 @@ checkpoints carried from one engine to the other."""
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import example_losses
 import torch
 
 pytest.importorskip("torch_xla")
@@ -36,10 +36,6 @@ def run(engine: str, *cmd: str, timeout: int = 600) -> subprocess.CompletedProce
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
-
-
-def example_losses(stdout: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"Step (\d+), Loss: ([0-9.]+)", stdout)}
 
 
 SMALL_DECODER = ["--steps", "6", "--log-every", "1", "--dim", "64", "--layers", "2", "--heads", "4",

@@ -270,7 +270,7 @@ def validate(cfg: TrainConfig) -> None:
     for name, value in [("model.dim", m.dim), ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                         ("data.seq_len", d.seq_len), ("optim.batch_size", o.batch_size),
                         ("optim.max_steps", o.max_steps), ("optim.grad_accum", o.grad_accum),
-                        ("mesh.data", cfg.mesh.data)]:
+                        ("mesh.data", cfg.mesh.data), ("optim.max_bad_steps", o.max_bad_steps)]:
         if value < 1:
             raise SpmdError(f"{name} = {value}: must be at least 1")
     if cfg.mesh.devices < 0:
