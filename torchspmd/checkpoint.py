@@ -2,33 +2,55 @@
 
 A checkpoint is a directory ``step-00000100`` holding the model's and optimizer's
 shards (DCP, reshardable: load it on another number of devices), ``state.pt`` (the
-rest: scheduler, sampler position, RNG states, step), and ``config.toml``. It is
-written under a temporary name and renamed once complete, so a crash in the middle of
-a save leaves the previous checkpoint as it was; only the newest ``keep`` are kept.
+rest: scheduler, sampler position, RNG states, step), ``config.toml`` and ``meta.json``.
+
+A save survives being killed at any moment. It is written as ``.step-00000100.tmp``;
+every file is fsynced (DCP syncs the shards and its ``.metadata``); then the directory
+is renamed to its final name (atomic) and only after that are the old checkpoints
+pruned (each renamed to ``.step-N.pruned`` first, so a half-deleted one is never taken
+for a checkpoint). So the newest complete checkpoint is always there whole, and a
+``step-N`` directory is always complete. ``clean`` removes what an interrupted save
+left behind (every process calls it at the start of a job).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.futures import Future
 
 from torchspmd import runtime
 from torchspmd._errors import SpmdError
 
 _NAME = re.compile(r"^step-(\d{8})$")
+_LEFTOVER = re.compile(r"^\.step-(\d{8})\.(tmp|replaced|pruned)$")
+# Where a test may have a process SIGKILL itself during a save (see ``save``).
+KILL_POINTS = ("shards", "before-rename", "after-rename")
+
+
+class BadCheckpoint(SpmdError):
+    """A checkpoint directory that is missing, incomplete or corrupt."""
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -36,18 +58,79 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (temporary ones are ignored)."""
+    """Checkpoints under ``root``, oldest first. A ``step-N`` directory only ever appears
+    complete (renamed into place), so every one is listed: a damaged one is reported
+    when it is loaded rather than silently passed over. Temporary ones are ignored."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "state.pt").exists()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=_step_of)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def clean(root: str | Path) -> list[str]:
+    """Remove what interrupted saves left under ``root`` (every process calls it; rank 0
+    works): unfinished ``.step-N.tmp`` directories and half-pruned ones. A checkpoint that
+    was set aside to be replaced by a new one of the same step is put back if the new one
+    never arrived. Returns the names removed."""
+    root = Path(root)
+    removed: list[str] = []
+    if _rank() == 0 and root.is_dir():
+        for p in sorted(root.iterdir()):
+            m = _LEFTOVER.match(p.name)
+            if not m or not p.is_dir():
+                continue
+            final = root / f"step-{m.group(1)}"
+            if m.group(2) == "replaced" and not final.exists():
+                os.replace(p, final)
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        if removed:
+            _fsync_dir(root)
+    _barrier()
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _kill_if(kill_at: str | None, point: str, rank: int) -> None:
+    """Fault injection for the tests: SIGKILL this process at ``point`` of a save."""
+    if kill_at == point and _rank() == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _KillingWriter(dcp.FileSystemWriter):
+    """DCP's file writer that SIGKILLs this process once its own shard files are written
+    (and synced), before the checkpoint's ``.metadata`` exists (tests)."""
+
+    def write_data(self, plan, planner) -> Future:
+        written = super().write_data(plan, planner)
+        written.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return written  # not reached
 
 
 def _on_xla() -> bool:
@@ -120,8 +203,18 @@ def _load_optim_state(model, optimizer, named: dict) -> None:
 
 
 def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], config_toml: str,
-         keep: int = 2, _fail_after_shards: bool = False) -> Path:
-    """Write checkpoint ``step`` under ``root`` (every process calls it)."""
+         keep: int = 2, _fail_after_shards: bool = False, _kill_at: str | None = None) -> Path:
+    """Write checkpoint ``step`` under ``root`` (every process calls it) and keep the
+    newest ``keep`` (0: all).
+
+    ``_fail_after_shards`` and ``_kill_at`` inject faults for the tests: raise once the
+    shards are written, or SIGKILL one process at a point of ``KILL_POINTS``: ``"shards"``
+    (the last process, once its shards are written, before the checkpoint's index),
+    ``"before-rename"`` / ``"after-rename"`` (rank 0, around the rename that completes it).
+    """
+    if _kill_at is not None and _kill_at not in KILL_POINTS:
+        raise SpmdError(f"checkpoint fault injection: unknown point {_kill_at!r}; choose one of "
+                        f"{', '.join(KILL_POINTS)}")
     root = Path(root)
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp"
@@ -134,38 +227,131 @@ def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], c
     if _on_xla():  # torch_xla's planners write each device's shards; the layout and keys are the same
         from torchspmd.backends import xla
 
+        if _kill_at == "shards":
+            raise SpmdError("checkpoint fault injection: the point 'shards' is for the native engine only")
         xla.dcp_save(sd, str(tmp))
     else:
-        dcp.save(sd, checkpoint_id=str(tmp))
+        kill = _kill_at == "shards" and _rank() == _world() - 1
+        dcp.save(sd, storage_writer=(_KillingWriter if kill else dcp.FileSystemWriter)(str(tmp)))
     if _fail_after_shards:  # tests: a crash between the shards and the rest
         raise RuntimeError("simulated crash during checkpoint save")
     if _rank() == 0:
-        torch.save(state, tmp / "state.pt")
-        (tmp / "config.toml").write_text(config_toml)
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
-                                                   if runtime.is_spmd() else 1}))
-        if final.exists():
-            shutil.rmtree(final)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        _write_synced(tmp / "state.pt", buf.getvalue())
+        _write_synced(tmp / "config.toml", config_toml.encode())
+        _write_synced(tmp / "meta.json", json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
+                                                     if runtime.is_spmd() else 1}).encode())
+        _fsync_dir(tmp)
+        _kill_if(_kill_at, "before-rename", 0)
+        aside = None
+        if final.exists():  # saved by an earlier run that went further: set aside, dropped once replaced
+            aside = root / f".step-{step:08d}.replaced"
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(final, aside)
         os.replace(tmp, final)  # atomic: the checkpoint appears whole or not at all
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(root)
+        _kill_if(_kill_at, "after-rename", 0)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        older = [p for p in list_checkpoints(root) if _step_of(p) < step]
+        for old in older[:max(0, len(older) - (keep - 1))] if keep > 0 else []:
+            pruned = root / f".{old.name}.pruned"  # never a half-deleted step-N directory
+            if pruned.exists():
+                shutil.rmtree(pruned)
+            os.replace(old, pruned)
+            shutil.rmtree(pruned, ignore_errors=True)
     _barrier()
     return final
 
 
-def load(path: str | Path, model, optimizer) -> dict:
-    """Load a checkpoint into ``model`` and ``optimizer`` (resharding as needed); return
-    the rest of its state."""
+def _storage_files(meta) -> dict[str, int]:
+    """The shard files a checkpoint's DCP metadata refers to, each with the size it must
+    have at least."""
+    need: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return need
+
+
+def check(path: str | Path):
+    """Check that ``path`` is a complete checkpoint whose files are all there at full size,
+    and return its DCP metadata; raise ``BadCheckpoint`` naming what is wrong. It only reads
+    the directory and the small ``.metadata``, so every process reaches the same verdict."""
     path = Path(path)
-    if not (path / "state.pt").exists() or not (path / ".metadata").exists():
-        raise SpmdError(f"checkpoint {path}: not a complete torchspmd checkpoint (state.pt or .metadata missing)")
-    model_sd = model.state_dict()
-    _ensure_optim_state(optimizer)
-    optim_sd = _optim_state(model, optimizer)
+    if not path.is_dir():
+        raise BadCheckpoint(f"checkpoint {path}: no such directory")
+    has = {name: (path / name).is_file() for name in (".metadata", "state.pt")}
+    if not any(has.values()):
+        raise BadCheckpoint(f"checkpoint {path} is not a torchspmd checkpoint (it has neither .metadata nor state.pt); "
+                            f"checkpoints are the step-NNNNNNNN directories under a job's out_dir/checkpoints")
+    for name, what in ((".metadata", "DCP's index of the model and optimizer shards"),
+                       ("state.pt", "the step, learning-rate schedule and RNG state")):
+        if not has[name]:
+            raise BadCheckpoint(f"checkpoint {path} is incomplete: {name} ({what}) is missing")
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
+        files = _storage_files(meta)
     except Exception as e:
-        raise SpmdError(f"checkpoint {path}: cannot read its metadata ({e}); it is corrupt") from None
+        raise BadCheckpoint(f"checkpoint {path} is corrupt: .metadata cannot be read ({_why(e)})") from None
+    for name, size in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise BadCheckpoint(f"checkpoint {path} is incomplete: the shard file {name} is missing")
+        have = f.stat().st_size
+        if have < size:
+            raise BadCheckpoint(f"checkpoint {path} is corrupt: the shard file {name} is truncated "
+                                f"({have} bytes, its index needs {size})")
+    return meta
+
+
+def _why(e: BaseException) -> str:
+    """A short reason (torch.load's own message for garbage advises weights_only=False)."""
+    if isinstance(e, pickle.UnpicklingError):
+        return "UnpicklingError: its bytes are not what was written"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:160]}"
+
+
+class _NamingReader(dcp.FileSystemReader):
+    """DCP's file reader that names the shard file it could not read."""
+
+    def read_data(self, plan, planner) -> Future:
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                raise BadCheckpoint(f"the shard file {name} cannot be read ({_why(e)})") from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _corrupt(path: Path, e: CheckpointException) -> BadCheckpoint:
+    """One message for a DCP read that failed on some process (every process gets all)."""
+    rank, (exc, _) = sorted(e.failures.items())[0]
+    detail = str(exc) if isinstance(exc, BadCheckpoint) else _why(exc)
+    return BadCheckpoint(f"checkpoint {path} is corrupt: {detail} (on process {rank})")
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        return torch.load(path / "state.pt", weights_only=False)
+    except Exception as e:
+        raise BadCheckpoint(f"checkpoint {path} is corrupt: state.pt cannot be read ({_why(e)})") from None
+
+
+def load(path: str | Path, model, optimizer) -> dict:
+    """Load a checkpoint into ``model`` and ``optimizer`` (resharding as needed); return
+    the rest of its state. A missing, incomplete or corrupt checkpoint raises
+    ``BadCheckpoint`` on every process."""
+    path = Path(path)
+    meta = check(path)
+    model_sd = model.state_dict()
     for key, value in model_sd.items():
         entry = meta.state_dict_metadata.get(f"model.{key}")
         if entry is None:
@@ -173,21 +359,36 @@ def load(path: str | Path, model, optimizer) -> dict:
         if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
             raise SpmdError(f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and {tuple(value.shape)} "
                             f"in this model; it was saved from a model of another shape")
+    state_rest = _read_state(path)  # before any collective: every process fails alike
+    _ensure_optim_state(optimizer)
+    optim_sd = _optim_state(model, optimizer)
     state = {"model": model_sd, "optim": _as_saved(optim_sd, meta.state_dict_metadata)}
     if _on_xla():  # loads in place into the sharded device tensors
         from torchspmd.backends import xla
 
-        xla.dcp_load(state, str(path))
+        try:
+            xla.dcp_load(state, str(path))
+        except CheckpointException as e:
+            raise _corrupt(path, e) from None
     else:
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, storage_reader=_NamingReader(str(path)))
+        except CheckpointException as e:
+            raise _corrupt(path, e) from None
         model.load_state_dict(state["model"])
     _load_optim_state(model, optimizer, state["optim"])
-    return torch.load(path / "state.pt", weights_only=False)
+    return state_rest
 
 
 def load_full_model_state(path: str | Path, model: torch.nn.Module) -> None:
     """Load a checkpoint's model weights into a plain (unsharded) model in this one
     process, without a process group (for export and sampling)."""
+    check(path)
     sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    try:
+        dcp.load(sd, storage_reader=_NamingReader(str(path)), no_dist=True)
+    except CheckpointException as e:
+        raise _corrupt(Path(path), e) from None
+    except BadCheckpoint as e:  # without a process group DCP does not wrap the error
+        raise BadCheckpoint(f"checkpoint {path} is corrupt: {e}") from None
     model.load_state_dict(sd["model"])

@@ -1,0 +1,246 @@
+"""Checkpoints of `torchspmd train` that survive kills, and clear errors for bad ones.
+
+A process is SIGKILLed at each moment of a save (inside the shard writes, just before and
+just after the rename that completes a checkpoint) and the job is started again with the
+same command: the last good checkpoint must be whole (equal to the never-interrupted run's
+checkpoint of that step) and the resumed run must equal the never-interrupted run. The job
+is deterministic on the same number of processes, so "equal" is exact (rtol = atol = 0):
+every loss, every weight, every optimizer moment. Checkpoints are read back with torch's
+own `dcp_to_torch_save`, not with torchspmd's loader.
+
+The runs resume after warm-up (inside the cosine decay) with gradient accumulation.
+"""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from test_train import ROOT, SMALL, _env, losses, train
+
+# 6 steps of 2 micro-batches, warm-up over the first 2: steps 3-6 are in the cosine decay.
+# A checkpoint every 2 steps; keep 1, so every save also prunes the one before it.
+# Dropout makes the losses depend on the random state, which a resume must restore as it was.
+ARGS = ["--optim.max_steps", "6", "--optim.warmup_steps", "2", "--optim.grad_accum", "2",
+        "--checkpoint.every", "2", "--checkpoint.keep", "1", "--model.dropout", "0.1"]
+KILL_IN_SAVE = "TORCHSPMD_FAULT_KILL_IN_SAVE"
+
+
+def ck(out: Path, step: int) -> Path:
+    return Path(out) / "checkpoints" / f"step-{step:08d}"
+
+
+def entries(out: Path, sub: str = "checkpoints") -> list[str]:
+    return sorted(p.name for p in (Path(out) / sub).iterdir())
+
+
+def full_state(checkpoint: Path, tmp: Path) -> dict:
+    """A checkpoint as torch's DCP utility assembles it (whole tensors: model, optimizer),
+    with its state.pt (step, scheduler, RNG state, sampler position)."""
+    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    return {"dcp": torch.load(out, weights_only=False), "state.pt": torch.load(checkpoint / "state.pt",
+                                                                              weights_only=False)}
+
+
+def assert_identical(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The never-interrupted run, every checkpoint kept."""
+    out = tmp_path_factory.mktemp("straight")
+    train(out, *ARGS, "--checkpoint.keep", "0")
+    assert entries(out) == [f"step-0000000{s}" for s in (2, 4, 6)]
+    return out
+
+
+def test_the_runs_resume_inside_the_cosine_decay(straight):
+    # the learning rate logged at step s is the one step s + 1 uses: the peak for steps 2 and 3,
+    # then the cosine decay; the runs below resume at steps 2 and 4
+    with open(straight / "metrics.csv") as f:
+        lr = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+    assert lr[1] == lr[2] == 3e-3 and lr[2] > lr[3] > lr[4] > lr[5] > lr[6] == pytest.approx(3e-4)
+
+
+# What the checkpoint directory holds right after the kill, and the last good checkpoint.
+AFTER_KILL = {
+    # rank 1 dies once its shard file is written: the new checkpoint has shards, no index
+    "shards": ([".step-00000004.tmp", "step-00000002"], 2),
+    # rank 0 dies with the new checkpoint complete but still under its temporary name
+    "before-rename": ([".step-00000004.tmp", "step-00000002"], 2),
+    # rank 0 dies once the new checkpoint is in place, before the old one is pruned
+    "after-rename": (["step-00000002", "step-00000004"], 4),
+}
+
+
+@pytest.mark.parametrize("point", list(AFTER_KILL))
+def test_killed_inside_a_save_resumes_exactly(tmp_path, straight, point):
+    out = tmp_path / "run"
+    r = train(out, *ARGS, env={KILL_IN_SAVE: f"4:{point}"}, check=False)
+    assert r.returncode != 0
+    assert sorted(losses(out)) == [1, 2, 3, 4]  # it died in the save of step 4, not before
+    names, good = AFTER_KILL[point]
+    assert entries(out) == names
+    tmp = out / "checkpoints" / ".step-00000004.tmp"
+    if point == "shards":
+        assert list(tmp.glob("*.distcp")) and not (tmp / ".metadata").exists() and not (tmp / "state.pt").exists()
+    if point == "before-rename":
+        assert (tmp / ".metadata").exists() and (tmp / "state.pt").exists()
+    # the last good checkpoint is whole: the straight run's checkpoint of that step, bit for bit
+    assert_identical(full_state(ck(out, good), tmp_path), full_state(ck(straight, good), tmp_path))
+
+    r = train(out, *ARGS)  # the same command again (checkpoint.resume = 'auto')
+    assert f"resumed from {ck(out, good)} at step {good}" in r.stdout
+    assert ("removed the unfinished checkpoint(s) .step-00000004.tmp" in r.stdout) == (point != "after-rename")
+    assert entries(out) == ["step-00000006"]  # the leftovers are gone, the old checkpoints pruned
+    assert losses(out) == losses(straight)
+    assert_identical(full_state(ck(out, 6), tmp_path), full_state(ck(straight, 6), tmp_path))
+
+
+def test_killed_process_in_the_cosine_decay_restarts_and_resumes_exactly(tmp_path, straight):
+    # torchrun restarts the job after rank 1 is killed after step 5; it resumes from step 4
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", "--max-restarts", "1", "-m", "torchspmd.cli",
+           "train", "--out-dir", str(out), *SMALL, *ARGS]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(TORCHSPMD_FAULT_KILL_AT_STEP=5), timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
+    assert losses(out) == losses(straight)
+    assert_identical(full_state(ck(out, 6), tmp_path), full_state(ck(straight, 6), tmp_path))
+
+
+def test_the_next_start_removes_what_interrupted_saves_left(tmp_path):
+    from torchspmd import checkpoint as ckpt
+
+    def make(name: str, text: str = "") -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_text(text or name)
+
+    make("step-00000002")
+    make(".step-00000003.pruned")  # pruning was interrupted
+    make(".step-00000004.tmp")  # a save was interrupted
+    make(".step-00000005.replaced", "old 5")  # set aside for a new step 5 that never arrived: put back
+    make(".step-00000006.replaced", "old 6")  # set aside and replaced: dropped
+    make("step-00000006", "new 6")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000006"]
+    assert ckpt.clean(tmp_path) == [".step-00000003.pruned", ".step-00000004.tmp", ".step-00000006.replaced"]
+    assert entries(tmp_path, "") == ["step-00000002", "step-00000005", "step-00000006"]
+    assert (tmp_path / "step-00000005" / "state.pt").read_text() == "old 5"
+    assert (tmp_path / "step-00000006" / "state.pt").read_text() == "new 6"
+
+
+# --- bad checkpoints: clear errors, on every process ---------------------------------------
+
+def _garbage(f: Path) -> None:
+    f.write_bytes(os.urandom(f.stat().st_size))  # same size: only reading it finds out
+
+
+def _truncate(f: Path) -> None:
+    with open(f, "r+b") as h:
+        h.truncate(f.stat().st_size // 2)
+
+
+DAMAGE = {
+    "garbage shard": (lambda p: _garbage(p / "__1_0.distcp"),
+                      "is corrupt: the shard file __1_0.distcp cannot be read"),
+    "truncated shard": (lambda p: _truncate(p / "__0_0.distcp"),
+                        "is corrupt: the shard file __0_0.distcp is truncated"),
+    "missing shard": (lambda p: (p / "__1_0.distcp").unlink(),
+                      "is incomplete: the shard file __1_0.distcp is missing"),
+    "missing metadata": (lambda p: (p / ".metadata").unlink(), "is incomplete: .metadata"),
+    "garbage metadata": (lambda p: _garbage(p / ".metadata"), "is corrupt: .metadata cannot be read"),
+    "missing state": (lambda p: (p / "state.pt").unlink(), "is incomplete: state.pt"),
+    "garbage state": (lambda p: _garbage(p / "state.pt"), "is corrupt: state.pt cannot be read"),
+}
+
+
+def _save_damage_load(root: str, damage: str) -> str:
+    """On every rank: save a small FSDPv2 model and its AdamW state, damage the checkpoint
+    (rank 0), load it; return the error message."""
+    import numpy as np
+    import torch.distributed as dist
+
+    import torchspmd as ts
+    from torchspmd import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    mesh = ts.Mesh(np.arange(2), (2,), ("fsdp",))
+    model = ts.FSDPv2(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    path = ckpt.save(root, 1, model, opt, {"step": 1}, "")
+    if dist.get_rank() == 0 and damage in DAMAGE:
+        DAMAGE[damage][0](path)
+    dist.barrier()
+    try:
+        ckpt.load(path if damage in DAMAGE else Path(root) / "step-00000002", model, opt)
+    except ckpt.BadCheckpoint as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("damage", [*DAMAGE, "no such directory"])
+def test_a_bad_checkpoint_raises_a_clear_error_on_every_process(dist, tmp_path, damage):
+    messages = dist(2).run(_save_damage_load, str(tmp_path / "ck"), damage)
+    expected = DAMAGE[damage][1] if damage in DAMAGE else "step-00000002: no such directory"
+    path = tmp_path / "ck" / ("step-00000001" if damage in DAMAGE else "step-00000002")
+    for m in messages:
+        assert m.startswith(f"checkpoint {path}") and expected in m, messages
+
+
+FIX = ("; delete that directory to resume from the checkpoint before it, or set checkpoint.resume to another "
+       "checkpoint directory (or 'none' to start over)")
+
+
+def _job_error(r: subprocess.CompletedProcess) -> str:
+    """The failed job's error output, with no traceback in it. (Each process that raises the
+    error prints it, and two processes' lines can run together on the shared stderr.)"""
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
+    return r.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage shard", "missing metadata"])
+def test_resuming_from_a_bad_checkpoint_stops_with_the_path_and_the_fix(tmp_path, straight, damage):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    bad = ck(out, 6)
+    shutil.copytree(ck(straight, 4), ck(out, 4))
+    shutil.copytree(ck(straight, 6), bad)
+    DAMAGE[damage][0](bad)
+    err = _job_error(train(out, *ARGS, "--optim.max_steps", "8", check=False))
+    assert f"torchspmd: checkpoint.resume = 'auto': checkpoint {bad} {DAMAGE[damage][1]}" in err, err[-3000:]
+    assert FIX in err, err[-3000:]
+    if damage == "garbage shard":  # following the advice resumes from the checkpoint before it
+        shutil.rmtree(bad)
+        r = train(out, *ARGS, "--optim.max_steps", "5")
+        assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
+
+
+def test_resuming_from_a_missing_path_stops_with_the_setting_and_the_fix(tmp_path):
+    err = _job_error(train(tmp_path, *ARGS, "--checkpoint.resume", str(tmp_path / "nope"), check=False))
+    assert (f"torchspmd: checkpoint.resume = '{tmp_path / 'nope'}': no such checkpoint directory; give a "
+            f"step-NNNNNNNN directory under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) "
+            f"or 'none'") in err, err[-3000:]
