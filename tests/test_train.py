@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,9 @@ def test_default_job_runs_and_learns(tmp_path):
            "--logging.eval_every", "20", "--logging.sample_tokens", "20"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
+    # a default run prints no warning (DTensor's "sequential all_gather" among them), from any process
+    for text in (r.stdout, r.stderr):  # Python warnings, and torch's logged ones ("[rank0]:W1130 10:07:30 ...")
+        assert not re.search(r"warn|(^|\]:)W\d{4} \d", text, re.IGNORECASE | re.MULTILINE), text[-4000:]
     assert "2 device(s)" in r.stdout and "--- sample ---" in r.stdout
     assert r.stdout.count("step     40") == 1  # printed once, by rank 0
     got = losses(tmp_path)
@@ -115,28 +119,6 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
     r = train(tmp_path, "--optim.max_steps", "8", "--checkpoint.every", "4")
     assert "resumed from" in r.stdout and "step-00000004" in r.stdout
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000008"
-
-
-def test_export_round_trip(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    train(tmp_path / "run", "--optim.max_steps", "3", "--checkpoint.every", "3")
-    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(tmp_path / "run"), str(tmp_path / "hf")],
-                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    ours = final_weights(tmp_path / "run")
-    assert hf.keys() == ours.keys()
-    for k in ours:
-        assert torch.equal(hf[k], ours[k]), k
-    # the exported directory is a pretrained model to fine-tune
-    train(tmp_path / "ft", "--model.pretrained", str(tmp_path / "hf"), "--optim.max_steps", "2",
-          "--checkpoint.every", "2")
-    assert len(losses(tmp_path / "ft")) == 2
-    g = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path / "run"), "--tokens", "5"],
-                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
-    assert g.returncode == 0 and g.stdout.startswith("def ")
 
 
 def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):

@@ -43,6 +43,9 @@ def export(path: str, out: str) -> Path:
         raise SpmdError("export writes a transformers directory; the seed decoder ('model.name = seed') is not a "
                         "transformers architecture: train a transformers model type (llama, gpt2, ...) to export")
     out_p = Path(out)
+    if not cfg.model.pretrained:  # a config built here: its end-of-text is the tokenizer's (llama's default is 2)
+        for c in (model.config, model.generation_config):
+            c.bos_token_id = c.eos_token_id = c.pad_token_id = tokenizer.eos_id
     model.save_pretrained(out_p, safe_serialization=True)
     if cfg.data.tokenizer != "byte":
         src = Path(cfg.data.tokenizer)
@@ -55,13 +58,22 @@ def export(path: str, out: str) -> Path:
 
 @torch.no_grad()
 def generate(path: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 10, seed: int = 0) -> str:
+    """Continue ``prompt`` by up to ``tokens`` tokens (stopping at end of text): sampled from the
+    ``top_k`` most likely at ``temperature``, or greedy (the most likely token, as transformers'
+    ``generate(do_sample=False)``) when ``temperature`` is 0 or ``top_k`` is 1."""
+    if temperature < 0 or top_k < 1:
+        raise SpmdError(f"generate: --temperature {temperature:g} --top-k {top_k}: give a temperature of 0 or more "
+                        f"(0: greedy) and a top-k of 1 or more")
     model, cfg, tokenizer, _ = load_plain_model(path)
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     g = torch.Generator().manual_seed(seed)
     for _ in range(tokens):
         logits = logits_of(model(torch.tensor([ids[-cfg.data.seq_len:]])))[0, -1]
-        top = torch.topk(logits / max(temperature, 1e-5), top_k)
-        nxt = int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)])
+        if temperature == 0 or top_k == 1:
+            nxt = int(torch.argmax(logits))
+        else:
+            top = torch.topk(logits / temperature, min(top_k, logits.numel()))
+            nxt = int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)])
         if nxt == tokenizer.eos_id:
             break
         ids.append(nxt)

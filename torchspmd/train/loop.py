@@ -163,9 +163,25 @@ def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, 
 
 
 # Fault injection for the tests (documented in docs/train.md): kill rank 1 with SIGKILL after
-# step N on the first attempt of an elastic job; crash while saving the checkpoint of step N.
+# step N on the first attempt of an elastic job; crash while saving the checkpoint of step N;
+# SIGKILL one process inside the save of step N ("N:POINT", POINT one of ckpt.KILL_POINTS).
 _KILL_AT = "TORCHSPMD_FAULT_KILL_AT_STEP"
 _FAIL_SAVE = "TORCHSPMD_FAULT_SAVE_AT_STEP"
+_KILL_IN_SAVE = "TORCHSPMD_FAULT_KILL_IN_SAVE"
+# Make the loss of the listed steps NaN on the last process (its gradients follow), e.g. "2,4-6".
+_NAN_AT = "TORCHSPMD_FAULT_NAN_AT_STEPS"
+
+
+def _nan_steps() -> set[int]:
+    steps: set[int] = set()
+    for part in filter(None, os.environ.get(_NAN_AT, "").replace(" ", "").split(",")):
+        first, _, last = part.partition("-")
+        try:
+            steps.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise SpmdError(f"{_NAN_AT} = {os.environ[_NAN_AT]!r}: expected step numbers and ranges "
+                            f"such as '2,4-6'") from None
+    return steps
 
 
 def _inject_kill(step: int, rank: int) -> None:
@@ -173,6 +189,16 @@ def _inject_kill(step: int, rank: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_kill_point(step: int) -> str | None:
+    at, _, point = os.environ.get(_KILL_IN_SAVE, "").partition(":")
+    if at != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    if point not in ckpt.KILL_POINTS:
+        raise SpmdError(f"{_KILL_IN_SAVE} = {os.environ[_KILL_IN_SAVE]!r}: expected STEP:POINT with POINT one of "
+                        f"{', '.join(ckpt.KILL_POINTS)}")
+    return point
 
 
 def _materialize(model, kind: str, seed: int, rank: int) -> None:
@@ -194,7 +220,8 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
         return ckpt.latest_checkpoint(out / "checkpoints")
     p = Path(r)
     if not p.is_dir():
-        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory")
+        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory; give a step-NNNNNNNN directory "
+                        f"under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) or 'none'")
     return p
 
 
@@ -263,12 +290,19 @@ def run(cfg: TrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
     step = 0
+    removed = ckpt.clean(out / "checkpoints")  # what a save interrupted last time left
+    if removed and rank == 0:
+        print(f"removed the unfinished checkpoint(s) {', '.join(removed)} of an interrupted save")
     resume = _resume_path(cfg, out)
     if resume is not None:
-        state = ckpt.load(resume, model, opt)
+        try:
+            state = ckpt.load(resume, model, opt)
+        except ckpt.BadCheckpoint as e:
+            raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: {e}; delete that directory to resume from "
+                            f"the checkpoint before it, or set checkpoint.resume to another checkpoint directory "
+                            f"(or 'none' to start over)") from None
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
-        torch.set_rng_state(state["rng"])
         if rank == 0:
             print(f"resumed from {resume} at step {step} (saved on {state.get('world_size', '?')} devices)")
 
@@ -282,6 +316,10 @@ def run(cfg: TrainConfig) -> dict:
         eval_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(eval_ds, range(n_eval * micro)),
                                                   batch_size=micro)
         eval_batches = ts.MpDeviceLoader(eval_loader, ts.device(), input_sharding=spec)
+    if resume is not None:  # after the train iterator, which drew its seed from the generator, as it had when saved
+        torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and ts.backend() == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])
 
     metrics = _Metrics(out, cfg.logging.tensorboard, step, rank)
     peak = _peak_flops()
@@ -289,35 +327,38 @@ def run(cfg: TrainConfig) -> dict:
     flops_per_token = 6 * n_params
     progress = _Progress(cfg, step, n_params, world) if rank == 0 else None
     bad = 0
+    nan_steps = _nan_steps()
     last_saved = step if resume is not None else -1
     losses: list[float] = []
     eval_loss = float("nan")
     while step < cfg.optim.max_steps:
         t0 = time.perf_counter()
         with ts.step():
+            # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
             loss_sum = 0.0
             for _ in range(cfg.optim.grad_accum):
                 x, y = next(train_iter)
                 logits = logits_of(model(x))
                 loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
+                if step + 1 in nan_steps and rank == world - 1:  # tests: a bad batch on one process
+                    loss = loss * float("nan")
                 loss.backward()
                 loss_sum += loss.item()
             if cfg.optim.grad_clip > 0:
                 grad_norm = float(ts.clip_grad_norm_(model, cfg.optim.grad_clip))
             else:
                 grad_norm = float(ts.clip_grad_norm_(model, float("inf")))
+            # The global loss and norm are the same on every process, so all skip together. A skipped step
+            # leaves the weights, the optimizer state and the learning-rate schedule as they were.
             finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
             if finite:
                 opt.step()
+                sched.step()
                 bad = 0
             else:
                 bad += 1
                 if rank == 0:
                     print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
-                if bad >= cfg.optim.max_bad_steps:
-                    raise SpmdError(f"stopping: {bad} consecutive steps with a non-finite loss or gradient "
-                                    f"(optim.max_bad_steps); lower optim.lr or check the data")
-            sched.step()
             opt.zero_grad(set_to_none=True)
         step += 1
         _inject_kill(step, rank)
@@ -330,15 +371,23 @@ def run(cfg: TrainConfig) -> dict:
         if eval_batches and (step % cfg.logging.eval_every == 0 or step == cfg.optim.max_steps):
             eval_loss = _evaluate(model, eval_batches, vocab)
             row["eval_loss"] = eval_loss
-        if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps:
-            metrics.write(row)
+        if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps or not finite:
+            metrics.write(row)  # a skipped step always gets its row
         if progress:
             progress.update(step, row)
+        if not finite and bad >= cfg.optim.max_bad_steps:  # every process decides alike and stops here
+            if progress:
+                progress.close()
+            ckpt._barrier()  # none exits (and gets its peers stopped) before all have their error
+            raise SpmdError(f"stopping at step {step}: {bad} consecutive steps had a non-finite loss or gradient "
+                            f"(optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check the data, "
+                            f"or raise optim.max_bad_steps")
         if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
             state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
+                     "cuda_rng": torch.cuda.get_rng_state() if ts.backend() == "cuda" else None,
                      "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
             ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep,
-                      _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step))
+                      _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step), _kill_at=_save_kill_point(step))
             last_saved = step
     if progress:
         progress.close()

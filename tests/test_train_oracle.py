@@ -1,0 +1,315 @@
+"""`torchspmd train`'s job features checked against an independent oracle.
+
+What the jobs (2 CPU processes, a tiny Llama, a few steps) write — metrics.csv, their DCP
+checkpoints, the exported transformers directory, `torchspmd generate`'s text — is read
+back by code that shares nothing with torchspmd: torch's own DCP format utilities
+(`dcp_to_torch_save`), safetensors, and transformers' `from_pretrained` / `generate`, each in
+a clean process that never imports torchspmd.
+"""
+
+import csv
+import json
+import math
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import ROOT, _env, losses, train
+
+STEPS = 3
+PROMPT = "def "
+NEW_TOKENS = 40  # prompt + new tokens stay within the model's 64 positions
+EOS = 256  # the byte tokenizer's end of text
+# The job's settings the single-process oracle repeats (test_train.SMALL and the config defaults).
+SEQ, BATCH, DIM, LAYERS, HEADS, MLP = 64, 8, 64, 2, 4, 128
+LR, WARMUP, BETAS, DECAY, CLIP, SEED = 3e-3, 20, (0.9, 0.95), 0.1, 1.0, 0
+
+
+def clean_python(code: str, *args) -> str:
+    """Run ``code`` in a fresh interpreter that never imports torchspmd; return its stdout."""
+    code += "\nassert not any(m.startswith('torchspmd') for m in sys.modules), 'the oracle imported torchspmd'\n"
+    r = subprocess.run([sys.executable, "-c", "import sys\n" + code, *map(str, args)], capture_output=True, text=True,
+                       env=_env(), timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+DCP_TO_TORCH = """
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+"""
+
+
+def dcp_state(checkpoint: Path) -> dict:
+    """A checkpoint's whole (unsharded) state as torch's DCP format utilities assemble it
+    from the shards: {'model': {name: tensor}, 'optim': {'state': ..., 'param_groups': ...}}."""
+    out = checkpoint.parent.parent / f"oracle-{checkpoint.name}.pt"
+    if not out.exists():
+        clean_python(DCP_TO_TORCH, checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+def ckpt(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:08d}"
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def optim_tensors(sd: dict) -> dict:
+    """AdamW's per-parameter state (both moments and the step count), flat."""
+    return {f"{name}.{k}": v for name, s in sd["optim"]["state"].items() for k, v in s.items()}
+
+
+def learning_rates(sd: dict) -> list[float]:
+    groups = sd["optim"]["param_groups"]  # torchspmd stores the groups pickled, as one value
+    return [g["lr"] for g in (pickle.loads(groups) if isinstance(groups, bytes) else groups)]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("oracle")
+
+
+@pytest.fixture(scope="module")
+def corpus(work):
+    """Random text (words of random letters) in one file: one document."""
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 8))) for _ in range(50)]
+    path = work / "corpus.txt"
+    path.write_text("".join(rng.choice(words) + rng.choice("  \n") for _ in range(1200)))
+    return path
+
+
+def job(out: Path, corpus: Path, *flags, steps: int = STEPS, **kw):
+    return train(out, "--data.path", str(corpus), "--optim.max_steps", str(steps), "--checkpoint.every", str(steps),
+                 *flags, **kw)
+
+
+@pytest.fixture(scope="module")
+def base(work, corpus):
+    """The reference job: grad_accum 1, no layer checkpointing."""
+    out = work / "base"
+    job(out, corpus)
+    return out
+
+
+# --- the job against one process of plain PyTorch and transformers ---------------------------------------------
+
+ONE_PROCESS = """
+import json
+import torch, torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+a = json.loads(sys.argv[1])
+# the data, as docs/train.md describes it: bytes, end of text, windows of SEQ + 1, the last 2% held out,
+# global batches from a permutation seeded per epoch
+tokens = list(open(a["corpus"], encoding="utf-8").read().encode()) + [a["eos"]]
+n = (len(tokens) - 1) // a["seq"]
+n_train = n - max(1, int(n * 0.02))
+per_epoch = n_train // a["batch"]
+def batch(k):
+    epoch, pos = divmod(k, per_epoch)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(a["seed"] * 1_000_003 + epoch))
+    rows = torch.stack([torch.tensor(tokens[i * a["seq"]:(i + 1) * a["seq"] + 1])
+                        for i in perm[pos * a["batch"]:(pos + 1) * a["batch"]].tolist()])
+    return rows[:, :-1], rows[:, 1:]
+torch.manual_seed(a["seed"])
+config = AutoConfig.for_model("llama", vocab_size=a["eos"] + 1, hidden_size=a["dim"], num_hidden_layers=a["layers"],
+                              num_attention_heads=a["heads"], num_key_value_heads=a["heads"],
+                              intermediate_size=a["mlp"], max_position_embeddings=a["seq"], use_cache=False,
+                              tie_word_embeddings=False, head_dim=a["dim"] // a["heads"])
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+params = list(model.parameters())
+opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": a["decay"]},
+                         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                        lr=a["lr"], betas=a["betas"])
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / a["warmup"])  # warm-up only, in these steps
+losses = []
+for k in range(a["steps"]):
+    x, y = batch(k)
+    loss = F.cross_entropy(model(x).logits.reshape(-1, a["eos"] + 1), y.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, a["clip"])
+    opt.step(); sched.step(); opt.zero_grad()
+    losses.append(loss.item())
+torch.save(model.state_dict(), a["weights"])
+print(json.dumps(losses))
+"""
+
+
+def test_job_equals_one_process(work, corpus, base):
+    weights = work / "one_process.pt"
+    args = dict(corpus=str(corpus), eos=EOS, seq=SEQ, batch=BATCH, dim=DIM, layers=LAYERS, heads=HEADS, mlp=MLP,
+                lr=LR, warmup=WARMUP, betas=BETAS, decay=DECAY, clip=CLIP, seed=SEED, steps=STEPS,
+                weights=str(weights))
+    want = json.loads(clean_python(ONE_PROCESS, json.dumps(args)))
+    got = losses(base)
+    assert want[-1] < want[0] - 0.05  # it trains: the weights move
+    assert [got[s] for s in sorted(got)] == pytest.approx(want, rel=1e-5, abs=0)
+    oracle, trained = torch.load(weights), dcp_state(ckpt(base, STEPS))["model"]
+    assert oracle.keys() == trained.keys()
+    for k in oracle:
+        torch.testing.assert_close(trained[k], oracle[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# --- gradient accumulation and layer checkpointing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [("--optim.grad_accum", "2"), ("--precision.checkpointing", "true")],
+                         ids=["grad_accum_2", "layer_checkpointing"])
+def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
+    out = work / flags[0].split(".")[-1]
+    job(out, corpus, *flags)
+    want, got = losses(base), losses(out)
+    assert sorted(want) == list(range(1, STEPS + 1)) and got.keys() == want.keys()
+    assert want[STEPS] < want[1] - 0.05  # the reference job trains: its weights move
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0), step
+    a, b = dcp_state(ckpt(base, STEPS))["model"], dcp_state(ckpt(out, STEPS))["model"]
+    assert a.keys() == b.keys()  # the checkpoint wrapper leaves the parameter names alone
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+# --- export and generate -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(work, corpus):
+    """A job trained long enough to have learnt the corpus's letters (so that its greedy
+    text is ASCII: the byte tokenizer's text then gives back its token ids)."""
+    out = work / "trained"
+    job(out, corpus, "--optim.warmup_steps", "5", steps=30)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(work, trained):
+    hf = work / "hf"
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(hf)], capture_output=True,
+                       text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return hf
+
+
+HF_GENERATE = """
+import json, torch
+from transformers import AutoModelForCausalLM
+hf, prompt, n, weights = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model = AutoModelForCausalLM.from_pretrained(hf).eval()
+torch.save(model.state_dict(), weights)
+ids = torch.tensor([prompt])
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+print(json.dumps(out[0].tolist()))
+"""
+
+
+@pytest.fixture(scope="module")
+def transformers_oracle(work, exported):
+    """transformers' own reading of the exported directory: its weights, and its greedy
+    continuation of the prompt."""
+    weights = work / "from_pretrained.pt"
+    ids = json.loads(clean_python(HF_GENERATE, exported, json.dumps(list(PROMPT.encode())), NEW_TOKENS, weights))
+    return {"weights": torch.load(weights), "ids": ids}
+
+
+def test_export_equals_the_trained_weights(trained, exported, transformers_oracle):
+    from safetensors.torch import load_file
+
+    final = dcp_state(ckpt(trained, 30))["model"]  # the job's final checkpoint, assembled by torch
+    assert_equal(load_file(exported / "model.safetensors"), final)
+    assert_equal(transformers_oracle["weights"], final)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["eos_token_id"] == EOS  # the byte tokenizer's end of text, not llama's default 2
+
+
+def test_greedy_generate_equals_transformers(trained, transformers_oracle):
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(trained), "--prompt", PROMPT,
+                        "--tokens", str(NEW_TOKENS), "--temperature", "0"],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = r.stdout[:-1]  # print's newline
+    ids = transformers_oracle["ids"]
+    ids = ids[: ids.index(EOS)] if EOS in ids else ids  # generate stops at end of text and does not show it
+    assert len(ids) > len(PROMPT)
+    # The byte tokenizer's text is its ids, one byte each (no replacement characters, so nothing is lost).
+    assert "\ufffd" not in text and list(text.encode()) == ids
+    sampled = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(trained), "--prompt", PROMPT,
+                              "--tokens", "5"], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert sampled.returncode == 0 and sampled.stdout.startswith(PROMPT), sampled.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags", [("--temperature", "-1"), ("--top-k", "0")])
+def test_generate_refuses_a_negative_temperature_or_no_candidates(tmp_path, flags):
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path), *flags],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("give a temperature of 0 or more (0: greedy) and a top-k of 1 or more") == 1
+
+
+def test_exported_directory_fine_tunes(work, corpus, exported):
+    out = work / "ft"
+    job(out, corpus, "--model.pretrained", str(exported), steps=2)
+    assert sorted(losses(out)) == [1, 2]
+
+
+# --- the non-finite-loss guard -----------------------------------------------------------------------------------
+
+NAN_STEPS = "2,4-6"  # one bad step, then three in a row
+MAX_BAD = 3
+
+
+@pytest.fixture(scope="module")
+def bad_job(work, corpus):
+    out = work / "nan"
+    r = job(out, corpus, "--checkpoint.every", "1", "--checkpoint.keep", "10", "--optim.max_bad_steps", str(MAX_BAD),
+            steps=8, env={"TORCHSPMD_FAULT_NAN_AT_STEPS": NAN_STEPS}, check=False)
+    return out, r
+
+
+def test_a_non_finite_step_changes_nothing_and_is_recorded(bad_job):
+    out, _ = bad_job
+    rows = metrics_rows(out)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["skipped"]) for r in rows] == [0, 1, 0, 1, 1, 1]
+    assert [math.isfinite(float(r["loss"])) for r in rows] == [True, False, True, False, False, False]
+    s = {step: dcp_state(ckpt(out, step)) for step in (1, 2, 3, 4, 5)}
+    for before, after in [(1, 2), (3, 4), (4, 5)]:  # a skipped step: weights, AdamW state and lr as they were
+        assert_equal(s[after]["model"], s[before]["model"])
+        assert_equal(optim_tensors(s[after]), optim_tensors(s[before]))
+        assert learning_rates(s[after]) == learning_rates(s[before])
+    # the good step in between trained (so the equalities above are not those of a stuck job)
+    changed = [k for k in s[3]["model"] if not torch.equal(s[3]["model"][k], s[2]["model"][k])]
+    assert len(changed) == len(s[3]["model"])
+    assert all(torch.isfinite(v).all() for v in s[5]["model"].values())
+    assert float(rows[2]["lr"]) > float(rows[1]["lr"]) == float(rows[0]["lr"])  # the schedule waits too
+
+
+STOP_MESSAGE = (f"stopping at step 6: {MAX_BAD} consecutive steps had a non-finite loss or gradient "
+                f"(optim.max_bad_steps = {MAX_BAD}); lower optim.lr, check the data, or raise optim.max_bad_steps")
+
+
+def test_consecutive_non_finite_steps_stop_the_job(bad_job):
+    out, r = bad_job
+    assert r.returncode != 0 and f"torchspmd: {STOP_MESSAGE}" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not ckpt(out, 6).exists() and ckpt(out, 5).exists()  # it stopped at step 6, before saving
+
+
+def test_the_stop_is_reported_once(bad_job):
+    _, r = bad_job
+    assert r.stderr.count(STOP_MESSAGE) == 1, r.stderr[-3000:]
