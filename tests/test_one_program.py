@@ -124,7 +124,9 @@ def _dropout_pattern1(rows):
     y = F.dropout(x, p=0.5)
     full = y.full_tensor()
     replicated = F.dropout(torch.ones(rows, 64), p=0.5)  # a plain value is one value everywhere
-    return full, replicated, _state_digest()
+    others = [torch.rand_like(x).full_tensor(), x.clone().uniform_().full_tensor(),
+              torch.randn_like(x).full_tensor(), torch.bernoulli(torch.full_like(x, 0.5)).full_tensor()]
+    return full, replicated, others, _state_digest()
 
 
 def _check_masks(results, rows, world):
@@ -149,6 +151,11 @@ def test_dropout_on_a_sharded_dtensor_draws_per_shard(dist, world, rows):
     _check_masks(results, rows, world)
     for r in results[1:]:
         torch.testing.assert_close(r[1], results[0][1], rtol=0, atol=0)
+        for mine, first in zip(r[2], results[0][2]):
+            torch.testing.assert_close(mine, first, rtol=0, atol=0)
+    for drawn in results[0][2]:  # the other random operations: a stream per shard too
+        shards = torch.tensor_split(drawn, world)
+        assert all(not torch.equal(shards[i][:1], shards[j][:1]) for i in range(world) for j in range(i + 1, world))
 
 
 class _Dropper(nn.Module):

@@ -79,8 +79,8 @@ class Mesh(metaclass=OnXla):
             n = runtime.global_runtime_device_count()
             if len(ids) != n:
                 raise SpmdError(
-                    f"Mesh: Number of device IDs ({len(ids)}) must match the global number of devices ({n}); "
-                    f"build the mesh over np.arange(global_runtime_device_count()) with a mesh_shape whose "
+                    f"Mesh: Number of device IDs ({len(ids)}) must match the global number of devices ({n}): "
+                    f"mesh_shape {shape} is not mappable over {n} devices; build the mesh over np.arange(global_runtime_device_count()) with a mesh_shape whose "
                     f"product is {n}"
                 )
         self.device_ids = ids
