@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-_CHUNK = 1 << 24  # bytes digested at a time (bounds the temporary memory)
+_CHUNK = 1 << 20  # bytes digested at a time (bounds the temporary memory: about 16 MB)
 _PRIME = 1_000_003
 
 
@@ -28,9 +28,9 @@ def digest(t: torch.Tensor) -> int:
     raw = data.view(torch.uint8) if data.element_size() > 0 else data
     total = 0
     for start in range(0, raw.numel(), _CHUNK):
-        part = raw[start:start + _CHUNK].to(torch.int64)
+        part = raw[start:start + _CHUNK].to(torch.int32)  # products stay below 2**31: 255 * _PRIME
         weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device) % _PRIME + 1
-        total += int((part * weights).sum())
+        total += int((part * weights.to(torch.int32)).sum(dtype=torch.int64))
     return total
 
 
