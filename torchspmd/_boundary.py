@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from torchspmd import _rng
 from torchspmd._errors import SpmdError
 from torchspmd._chunks import chunk as _chunk, contiguous_stride as _contiguous_stride
 
@@ -173,8 +174,6 @@ def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
     torchspmd/_rng.py); without a batch every process computes the same and shares it."""
     if layout is None:
         return contextlib.nullcontext()
-    from torchspmd import _rng
-
     mesh = layout.device_mesh
     index = _rng.shard_index(_coord(mesh), list(mesh.shape), data_dims)
     return _rng.local_stream(index, mesh.device_type)

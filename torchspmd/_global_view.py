@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.overrides import TorchFunctionMode
 
+from torchspmd import _replicas, _rng
 from torchspmd._chunks import contiguous_stride as _contiguous_stride
 
 aten = torch.ops.aten
@@ -64,11 +65,8 @@ def _check_replica(t: torch.Tensor) -> None:
     """A plain parameter is replicated: the first time one meets a DTensor, check it holds
     the same value on every process, and copy rank 0's where it does not (as DDP does).
     Every process reaches this at the same point of the same program."""
-    if t.requires_grad and t.is_leaf:
-        from torchspmd import _replicas
-
-        if not _replicas.agreed(t):
-            _replicas.agree_once([t])
+    if t.requires_grad and t.is_leaf and not _replicas.agreed(t):
+        _replicas.agree_once([t])
 
 
 def _lift(a: Any, like: DTensor) -> Any:
@@ -443,8 +441,6 @@ def _random(op, args, kwargs):
     mesh = x.device_mesh
     if mesh.device_type != "cpu" or any(p.is_partial() for p in x.placements):
         return _default(op, args, kwargs)
-    from torchspmd import _rng
-
     shard_dims = [d for d, p in enumerate(x.placements) if p.is_shard()]
 
     def local(a):
