@@ -20,11 +20,13 @@ from typing import Any, Tuple, Union
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from torchspmd import _boundary, runtime
+from torchspmd import _boundary, _owners, runtime
 from torchspmd._delegate import OnXla, on_xla
 from torchspmd._chunks import block_of
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
+
+_owners.install()
 
 __all__ = [
     "mark_sharding",
@@ -158,9 +160,11 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
         if t.requires_grad:
             out.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter):
-        param = torch.nn.Parameter(out, requires_grad=t.requires_grad)
-        t._torchspmd_sharded = param  # lets FSDPv2 find the user's annotation
-        return param
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    if t.is_leaf:
+        # In place, as torch_xla: every module slot holding `t` (a parameter or a buffer)
+        # now holds the sharded tensor, so the result need not be assigned back.
+        _owners.replace(t, out)
     return out
 
 

@@ -93,6 +93,9 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
             where they are faster; FSDP2's own on NCCL), ``"native"`` or ``"allreduce"``
             (``torchspmd/fsdp/collectives.py``).
+        strict_sharding: refuse (``SpmdError``) a parameter annotated over a non-data axis
+            that cannot compute tensor-parallel and would be gathered whole (by default a
+            ``GatheredWholeWarning`` names it); see ``torchspmd/fsdp/tensor_parallel.py``.
         compile: ``torch.compile`` each wrapped block's ``forward`` (True, or a dict of
             ``torch.compile`` options); the root module too when nothing is wrapped below
             it. FSDP2's gathering and reducing stay outside the compiled code.
@@ -114,6 +117,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         cpu_offload: bool = False,
         collectives: str = "auto",
         compile: bool | dict = False,
+        strict_sharding: bool = False,
     ):
         runtime._require_spmd("FSDPv2")
         if isinstance(module, SpmdFullyShardedDataParallel):
@@ -157,7 +161,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         if collectives not in CHOICES:
             raise SpmdError(f"FSDPv2(collectives={collectives!r}): choose one of {', '.join(CHOICES)}")
         options = dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                       cpu_offload=cpu_offload, collectives=collectives)
+                       cpu_offload=cpu_offload, collectives=collectives, strict_sharding=strict_sharding)
         if auto_wrap_policy is not None:
             for name, sub in module.named_modules():
                 if isinstance(sub, SpmdFullyShardedDataParallel):
@@ -195,7 +199,10 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, self._mesh.device_mesh, self._data_dims, "FSDPv2")
-        with _global_view.local_region(), local_rows_stream(layout, self._data_dims):
+        with _global_view.local_region(), local_rows_stream(layout, self._data_dims), warnings.catch_warnings():
+            # A tensor-parallel LM head returns its gathered logits as a view; FSDP2 warns
+            # about in-place ops on it, but the output goes on to become a global DTensor here.
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             output = self._orig_module(*args, **kwargs)
         if self._fp32_outputs:
             from torchspmd._boundary import _map
@@ -255,13 +262,17 @@ def _unit_meshes(mesh: Mesh, extra_data_axis: str | None):
 
 
 def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, mixed_precision,
-                reshard_after_forward, cpu_offload, collectives: str = "auto") -> None:
+                reshard_after_forward, cpu_offload, collectives: str = "auto", strict_sharding: bool = False) -> None:
     """Make ``module`` one FSDP2 unit (in place), summing gradients over the data axes."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+    from torchspmd.fsdp import tensor_parallel
+
     managed = {p for m in module.modules() if isinstance(m, FSDPModule) and m is not module for p in m.parameters()}
-    # Parameters the user sharded already (mark_sharding) are left as they are.
-    ignored = {p for p in module.parameters() if isinstance(p, DTensor) and p not in managed}
+    # Parameters the user sharded (mark_sharding): over 'model', tensor-parallel compute;
+    # over the data axes only, FSDP's own sharding; the rest keep their layout and are
+    # gathered whole on use.
+    ignored = tensor_parallel.prepare(module, mesh, data_dims, managed, strict_sharding)
     if ignored:
         _gather_on_use(module, ignored, mesh, data_dims)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -292,7 +303,7 @@ def _compile_units(root: nn.Module, options: dict) -> None:
 def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Callable | None = None,
                    extra_data_axis: str | None = None, *, mixed_precision: Any = None,
                    reshard_after_forward: bool | int = True, cpu_offload: bool = False,
-                   collectives: str = "auto") -> nn.Module:
+                   collectives: str = "auto", strict_sharding: bool = False) -> nn.Module:
     """An ``auto_wrapper_callable`` making each auto-wrapped module an FSDPv2 unit without
     a wrapper module around it: the model keeps its module names (for libraries that
     walk them, e.g. PEFT's adapter saving). Returns ``module`` itself, sharded. Only
@@ -303,7 +314,7 @@ def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Ca
         raise SpmdError("shard_in_place: give the Mesh (with an 'fsdp' axis) the FSDPv2 root uses")
     data_dims, fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
     _shard_unit(module, mesh, data_dims, fsdp_mesh, mixed_precision, reshard_after_forward, cpu_offload,
-                collectives)
+                collectives, strict_sharding)
     return module
 
 

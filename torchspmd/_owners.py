@@ -1,0 +1,88 @@
+"""Which modules hold a parameter or buffer: what makes ``mark_sharding`` work in place.
+
+torch_xla annotates a tensor in place: ``xs.mark_sharding(model.fc1.weight, mesh, spec)``
+shards the module's weight even when the result is not used. A torch tensor cannot turn
+into a DTensor in place, so ``mark_sharding`` puts the sharded parameter in every module
+slot that held the old one. The slots are recorded as they are filled, through
+``nn.Module``'s global registration hooks (installed when torchspmd is imported); a
+tensor registered before that is found by asking the garbage collector who refers to it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import torch.nn as nn
+
+# id(tensor) -> (weakref to the tensor, [(weakref to module, slot name, "_parameters"|"_buffers")])
+_SLOTS: dict[int, tuple[weakref.ref, list[tuple[weakref.ref, str, str]]]] = {}
+_installed = False
+
+
+def _record(module: nn.Module, name: str, t, kind: str) -> None:
+    if t is None:
+        return
+    entry = _SLOTS.get(id(t))
+    if entry is None or entry[0]() is not t:
+        tid = id(t)
+        entry = (weakref.ref(t, lambda _r, tid=tid: _SLOTS.pop(tid, None)), [])
+        _SLOTS[tid] = entry
+    entry[1].append((weakref.ref(module), name, kind))
+
+
+def install() -> None:
+    """Record parameter and buffer registrations from now on (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from torch.nn.modules import module as _module
+
+    _module.register_module_parameter_registration_hook(lambda m, n, p: _record(m, n, p, "_parameters"))
+    _module.register_module_buffer_registration_hook(lambda m, n, b: _record(m, n, b, "_buffers"))
+    _installed = True
+
+
+def _live_slots(t: torch.Tensor) -> list[tuple[nn.Module, str, str]]:
+    found = []
+    entry = _SLOTS.get(id(t))
+    if entry is not None and entry[0]() is t:
+        for ref, name, kind in entry[1]:
+            m = ref()
+            if m is not None and getattr(m, kind).get(name) is t:
+                found.append((m, name, kind))
+    return found
+
+
+def _slots_from_gc(t: torch.Tensor) -> list[tuple[nn.Module, str, str]]:
+    """Slots of a tensor registered before the hooks were installed."""
+    found = []
+    for d in gc.get_referrers(t):
+        if not isinstance(d, dict):
+            continue
+        for owner in gc.get_referrers(d):
+            if isinstance(owner, nn.Module):
+                for kind in ("_parameters", "_buffers"):
+                    if owner.__dict__.get(kind) is d:
+                        found.extend((owner, n, kind) for n, v in d.items() if v is t)
+    return found
+
+
+def slots(t: torch.Tensor) -> list[tuple[nn.Module, str, str]]:
+    """Every (module, name, kind) slot holding ``t`` now. Only a parameter is looked for
+    through the garbage collector (a batch tensor is marked on every step: it must cost
+    nothing)."""
+    found = _live_slots(t)
+    if not found and isinstance(t, nn.Parameter):
+        found = _slots_from_gc(t)
+    return found
+
+
+def replace(old: torch.Tensor, new: torch.Tensor) -> int:
+    """Put ``new`` in every module slot holding ``old``; returns how many were replaced."""
+    held = slots(old)
+    for m, name, kind in held:
+        getattr(m, kind)[name] = new
+        _record(m, name, new, kind)
+    return len(held)

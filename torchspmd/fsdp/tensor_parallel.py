@@ -1,0 +1,210 @@
+"""Tensor parallelism inside FSDPv2 units, read from the program's sharding annotations.
+
+A parameter annotated (``mark_sharding``) over a mesh axis other than the data axes
+(``'fsdp'``, and ``extra_data_axis``) is computed tensor-parallel over that axis, with
+PyTorch's own parallel styles (``torch.distributed.tensor.parallel``), as torchtitan
+composes them with FSDP2:
+
+* ``nn.Linear`` whose weight is split on dim 0 (output features): column-parallel; on
+  dim 1 (input features): row-parallel. A column-parallel linear followed, among its
+  siblings, by a row-parallel one is a pair: the activation between them stays split
+  over the axis (each process holds its share of the features, or of the heads), and
+  the pair costs one all-reduce forward and one backward. A column-parallel linear with
+  no row-parallel partner gathers its output (an LM head split over the vocabulary).
+* ``nn.Embedding`` split on dim 0 (vocabulary): each process looks up its rows of the
+  table and one all-reduce sums them; on dim 1 (hidden): the output is gathered.
+
+What split over the data axes the annotation also asks for is FSDP's part: FSDP2 shards
+every parameter over ``'fsdp'`` (on dim 0), on top of the tensor-parallel split, so the
+state per process is 1/(fsdp x model) whichever of the two annotation styles is used
+(``('model', None)`` or torch_xla's ``('model', 'fsdp')``).
+
+Any other annotated parameter (a norm's weight, ``nn.MultiheadAttention``'s packed
+projection, a parameter a module uses directly) keeps its layout for storage and is
+gathered whole for compute, with a warning naming it; ``strict_sharding=True`` makes
+that an error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torchspmd._errors import SpmdError
+
+COL, ROW = "colwise", "rowwise"
+
+
+class GatheredWholeWarning(UserWarning):
+    """An annotated parameter is stored sharded but gathered whole for compute."""
+
+
+def _tp_split(p: DTensor, data_dims: list[int]) -> list[tuple[int, int]]:
+    """(mesh axis, tensor dim) of each split of ``p`` over a non-data axis."""
+    return [(i, pl.dim) for i, pl in enumerate(p.placements) if i not in data_dims and pl.is_shard()]
+
+
+def _style_of(owner: nn.Module, name: str, dim: int) -> str | None:
+    if isinstance(owner, nn.Linear) and name == "weight":
+        return COL if dim == 0 else ROW
+    if isinstance(owner, nn.Embedding) and name == "weight":
+        return "embedding_vocab" if dim == 0 else "embedding_hidden"
+    return None
+
+
+def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict: bool = False):
+    """Make the tensor-parallel parts of the unit ``module`` (in place, before its
+    ``fully_shard``). Returns the annotated parameters left for gathering on use."""
+    dmesh = mesh.device_mesh
+    names = dict(module.named_modules())
+    fqn = {m: n for n, m in names.items()}
+    parent: dict[nn.Module, nn.Module] = {}
+    for m in module.modules():
+        for child in m.children():
+            parent.setdefault(child, m)
+
+    annotated: dict[nn.Module, dict[str, DTensor]] = {}
+    for owner in module.modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if isinstance(p, DTensor) and p not in managed:
+                if p.device_mesh != dmesh:
+                    raise SpmdError(
+                        f"FSDPv2: parameter {_label(fqn, owner, name)!r} is sharded over another mesh than "
+                        f"FSDPv2's; mark it with the same Mesh"
+                    )
+                annotated.setdefault(owner, {})[name] = p
+
+    styles: dict[nn.Module, str] = {}
+    axis_of: dict[nn.Module, int] = {}
+    leftovers: set = set()
+    for owner, params in annotated.items():
+        splits = {}
+        for name, p in params.items():
+            split = _tp_split(p, data_dims)
+            if not split:
+                # Split over the data axes only: that is FSDP's own part. FSDP2 shards it.
+                owner._parameters[name] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+            elif len(split) > 1:
+                axes = [mesh.axis_label(a) for a, _ in split]
+                raise SpmdError(
+                    f"FSDPv2: parameter {_label(fqn, owner, name)!r} is split over {axes}: inside FSDPv2 one mesh "
+                    f"axis besides the data axes can split a parameter (tensor parallelism is one-dimensional); "
+                    f"annotate it over one of them"
+                )
+            else:
+                splits[name] = split[0]
+        style = _style_of(owner, "weight", splits["weight"][1]) if "weight" in splits else None
+        if style is not None:
+            styles[owner] = style
+            axis_of[owner] = splits["weight"][0]
+            continue
+        for name, (axis, _) in splits.items():
+            leftovers.add(owner._parameters[name])
+            msg = (
+                f"FSDPv2: {_label(fqn, owner, name)!r} ({type(owner).__name__}) is annotated over "
+                f"{mesh.axis_label(axis)!r} but is gathered whole for compute: tensor parallelism covers the "
+                f"weights of nn.Linear and nn.Embedding. It stays stored as annotated; leave it unannotated "
+                f"to let FSDP shard it"
+            )
+            if strict:
+                raise SpmdError(msg + " (strict_sharding=True refuses the gather)")
+            warnings.warn(msg + " (strict_sharding=True makes this an error)", GatheredWholeWarning, stacklevel=4)
+
+    if not styles:
+        return leftovers
+    tp_axes = sorted(set(axis_of.values()))
+    if len(tp_axes) > 1:
+        raise SpmdError(
+            f"FSDPv2: parameters are split over {[mesh.axis_label(a) for a in tp_axes]}; tensor parallelism "
+            f"uses one mesh axis: annotate every weight over the same one"
+        )
+    axis = tp_axes[0]
+    axis_name = mesh.axis_label(axis)
+    tp_mesh = dmesh[axis_name]
+    n = tp_mesh.size()
+
+    # Pairs: a column-parallel linear followed among its siblings by a row-parallel one.
+    paired_col: set = set()
+    paired_row: set = set()
+    for owner, style in styles.items():
+        if style != COL or not isinstance(owner, nn.Linear) or getattr(owner, "_torchspmd_tp_gather", False):
+            continue
+        up = parent.get(owner)
+        if up is None:
+            continue
+        siblings = list(up.children())
+        after = siblings[siblings.index(owner) + 1:]
+        partner = next((s for s in after if styles.get(s) == ROW and isinstance(s, nn.Linear)), None)
+        if partner is not None:
+            paired_col.add(owner)
+            paired_row.add(partner)
+            _check_even(fqn, owner, up, partner, n, axis_name)
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for owner, style in styles.items():
+        _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
+        if style == COL:
+            out = Shard(-1) if owner in paired_col else Replicate()
+            plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=True)
+        elif style == ROW:
+            inp = Shard(-1) if owner in paired_row else Replicate()
+            plan = RowwiseParallel(input_layouts=inp, output_layouts=Replicate(), use_local_output=True)
+        elif style == "embedding_vocab":
+            plan = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+        else:
+            plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+        parallelize_module(owner, tp_mesh, plan)
+        owner._torchspmd_tp = (axis_name, style, owner in paired_col or owner in paired_row)
+    return leftovers
+
+
+def _label(fqn: dict, owner: nn.Module, name: str) -> str:
+    prefix = fqn.get(owner, "")
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_even(fqn, col: nn.Linear, up: nn.Module, row: nn.Linear, n: int, axis: str) -> None:
+    """A pair keeps the activation split between its linears: the split must be even
+    (DTensor re-enters a local shard assuming equal parts) and, in attention, whole heads."""
+    head_dim = getattr(up, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0 and col.out_features % head_dim == 0:
+        heads = col.out_features // head_dim
+        if heads % n:
+            raise SpmdError(
+                f"FSDPv2: {_label(fqn, col, 'weight')!r} projects to {heads} heads, which do not split over the "
+                f"{axis!r} axis of size {n}: give the axis a size dividing the number of heads (and of "
+                f"key/value heads), or leave the attention unannotated"
+            )
+    if col.out_features % n:
+        raise SpmdError(
+            f"FSDPv2: {_label(fqn, col, 'weight')!r} has {col.out_features} output features, which do not split "
+            f"evenly over the {axis!r} axis of size {n}; its output stays split into "
+            f"{_label(fqn, row, 'weight')!r}, which needs equal parts: choose sizes divisible by {n}, "
+            f"or leave the pair unannotated"
+        )
+
+
+def _to_tp_mesh(owner: nn.Module, params: dict, data_dims, axis: int, tp_mesh, dmesh, style: str) -> None:
+    """The owner's annotated parameters as DTensors on the tensor-parallel axis alone (what
+    the parallel style distributes again without a copy); the others as whole tensors."""
+    wanted = {
+        COL: {"weight": Shard(0), "bias": Shard(0)},
+        ROW: {"weight": Shard(1), "bias": Replicate()},
+        "embedding_vocab": {"weight": Shard(0)},
+        "embedding_hidden": {"weight": Shard(1)},
+    }[style]
+    for name, p in list(owner.named_parameters(recurse=False)):
+        target = wanted.get(name)
+        if isinstance(p, DTensor) and p.device_mesh == dmesh:
+            keep = [Replicate()] * dmesh.ndim
+            if target is not None and target.is_shard() and p.placements[axis] == target:
+                keep[axis] = target
+                local = p.redistribute(dmesh, keep).to_local()
+                new = DTensor.from_local(local, tp_mesh, [target], run_check=False, shape=p.shape, stride=p.stride())
+            else:
+                new = p.full_tensor()
+            owner._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
