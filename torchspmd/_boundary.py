@@ -95,7 +95,11 @@ def inputs_to_local(args: tuple, kwargs: dict, device_mesh, data_dims: list[int]
                 raise SpmdError(f"{who}: an input is sharded over another mesh than the module's")
             if t.dim() > 0 and tuple(t.placements) != tuple(layout.placements):
                 t = t.redistribute(device_mesh, layout.placements)
-            grad_placements = [Partial() if p.is_replicate() else p for p in t.placements]
+            # Over a data axis each process used the value on its own rows: its gradient is
+            # a share of a sum. Over the other axes (a 'model' axis) the processes computed
+            # the same rows, and each holds the whole gradient.
+            grad_placements = [Partial() if p.is_replicate() and i in data_dims else p
+                               for i, p in enumerate(t.placements)]
             return t.to_local(grad_placements=grad_placements)
         if t.dim() == 0 or layout is None:
             return t
