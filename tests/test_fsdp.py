@@ -63,10 +63,11 @@ def _wrap(variant, model, mesh):
     if variant == "no_reshard":
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy(), reshard_after_forward=False)
     if variant == "user_sharded":
-        # the user shards the LM head over 'model' themselves; FSDPv2 leaves it as it is
+        # the user shards the LM head over 'model': it computes tensor-parallel (vocabulary
+        # split, output gathered) and FSDP splits it over 'fsdp' too
         model.lm_head.weight = ts.mark_sharding(model.lm_head.weight, mesh, ("model", None))
         wrapped = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy())
-        assert ts.get_sharding(wrapped.lm_head.weight) == ("model", None)
+        assert ts.get_sharding(wrapped.lm_head.weight) == (("fsdp", "model"), None)
         return wrapped
     if variant == "auto":
         return ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=_policy())

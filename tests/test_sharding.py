@@ -135,9 +135,11 @@ def _layout_changes():
     y.sum().backward()
     p = torch.nn.Parameter(torch.randn(4, 3))
     q = ts.mark_sharding(p, mesh, (None, "x"))
+    lin = torch.nn.Linear(3, 4)
+    ts.mark_sharding(lin.weight, mesh, ("x", None))  # in place, as torch_xla: the module holds it sharded
     return (b.to_local(), type(plain).__name__, torch.equal(plain, t), w.grad,
             isinstance(q, torch.nn.Parameter) and isinstance(q, torch.distributed.tensor.DTensor),
-            p._torchspmd_sharded is q, ts.get_sharding(t))
+            ts.get_sharding(lin.weight) == ("x", None), ts.get_sharding(t))
 
 
 def test_remark_clear_autograd_and_parameters(dist):

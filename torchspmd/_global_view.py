@@ -91,7 +91,14 @@ class _ReplicateUnannotated(TorchFunctionMode):
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.embedding and isinstance(out, DTensor) and \
+                any(p.is_partial() for p in out.placements):
+            # A table split over its vocabulary gives each device the rows it holds, a sum
+            # pending (DTensor's masked partial). Reduce it at once, as a vocabulary-parallel
+            # embedding does: DTensor cannot turn that pending sum into a batch split later.
+            out = out.redistribute(out.device_mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+        return out
 
 
 def _uneven(x: DTensor) -> bool:

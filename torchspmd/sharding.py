@@ -14,11 +14,13 @@ divide evenly is split like ``torch.chunk``: every device but the last ones gets
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchspmd import _boundary, _owners, runtime
 from torchspmd._delegate import OnXla, on_xla
@@ -161,11 +163,21 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
             out.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter):
         out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        if out.requires_grad:
+            # The gradient is stored as the parameter is (DTensor's backward may leave it
+            # whole, or as a pending sum): so is the optimizer state computed from it.
+            out.register_hook(functools.partial(_like_param, out.device_mesh, tuple(out.placements)))
     if t.is_leaf:
         # In place, as torch_xla: every module slot holding `t` (a parameter or a buffer)
         # now holds the sharded tensor, so the result need not be assigned back.
         _owners.replace(t, out)
     return out
+
+
+def _like_param(mesh, placements, grad):
+    if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+        return grad.redistribute(mesh, placements)
+    return grad
 
 
 @on_xla
@@ -187,7 +199,7 @@ def get_sharding(t: torch.Tensor) -> PartitionSpec | None:
     names = t.device_mesh.mesh_dim_names
     per_dim: list[list] = [[] for _ in range(t.ndim)]
     for axis, p in enumerate(t.placements):
-        if p.is_shard():
+        if p.is_shard() or isinstance(p, _StridedShard):  # FSDP2's split of a dim 'model' splits too
             per_dim[p.dim].append(names[axis] if names else axis)
     return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in per_dim)
 

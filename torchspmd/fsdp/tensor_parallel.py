@@ -126,25 +126,52 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     tp_mesh = dmesh[axis_name]
     n = tp_mesh.size()
 
-    # Pairs: a column-parallel linear followed among its siblings by a row-parallel one.
+    # Pairs: a column-parallel linear followed among its siblings by a row-parallel one. A
+    # linear inside an adapter wrapper (PEFT's LoRA: `base_layer`, `lora_A`, `lora_B`) stands
+    # where its wrapper stands: all the wrapper's linears of one style are paired alike.
+    def logical(m: nn.Module) -> nn.Module:
+        while m in parent and (isinstance(parent[m], nn.ModuleDict) or _is_adapter(parent[m])):
+            m = parent[m]
+        return m
+
+    def role(m: nn.Module) -> str | None:  # the style a sibling stands for
+        if isinstance(m, nn.Linear):
+            return styles.get(m)
+        if _is_adapter(m) and isinstance(m.base_layer, nn.Linear):
+            return styles.get(m.base_layer)
+        return None
+
     paired_col: set = set()
     paired_row: set = set()
     for owner, style in styles.items():
         if style != COL or not isinstance(owner, nn.Linear) or getattr(owner, "_torchspmd_tp_gather", False):
             continue
-        up = parent.get(owner)
+        at = logical(owner)
+        up = parent.get(at)
         if up is None:
             continue
         siblings = list(up.children())
-        after = siblings[siblings.index(owner) + 1:]
-        partner = next((s for s in after if styles.get(s) == ROW and isinstance(s, nn.Linear)), None)
+        after = siblings[siblings.index(at) + 1:]
+        partner = next((s for s in after if role(s) == ROW), None)
         if partner is not None:
             paired_col.add(owner)
-            paired_row.add(partner)
-            _check_even(fqn, owner, up, partner, n, axis_name)
+            rows = [m for m in partner.modules() if styles.get(m) == ROW and logical(m) is partner] \
+                if partner is not owner else []
+            paired_row.update(rows or [partner])
+            _check_even(fqn, owner, up, partner if isinstance(partner, nn.Linear) else partner.base_layer,
+                        n, axis_name)
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    # Tied weights (an embedding and its LM head) stay one parameter.
+    first_holder: dict[int, tuple[nn.Module, str]] = {}
+    ties: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for owner in styles:
+        for name, p in owner.named_parameters(recurse=False):
+            if id(p) in first_holder:
+                ties.append((owner, name, *first_holder[id(p)]))
+            else:
+                first_holder[id(p)] = (owner, name)
     for owner, style in styles.items():
         _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
         if style == COL:
@@ -159,7 +186,21 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
         parallelize_module(owner, tp_mesh, plan)
         owner._torchspmd_tp = (axis_name, style, owner in paired_col or owner in paired_row)
+    for owner, name, first, first_name in ties:
+        kept, made = first._parameters[first_name], owner._parameters[name]
+        if tuple(kept.placements) != tuple(made.placements):
+            raise SpmdError(
+                f"FSDPv2: the tied weight {_label(fqn, first, first_name)!r} / {_label(fqn, owner, name)!r} is "
+                f"split on a different dim by each of its modules' tensor-parallel styles "
+                f"({kept.placements[0]} vs {made.placements[0]}): annotate it on dim 0 (the vocabulary)"
+            )
+        owner._parameters[name] = kept
     return leftovers
+
+
+def _is_adapter(m: nn.Module) -> bool:
+    """A PEFT-style wrapper around a layer: ``base_layer`` beside its adapters."""
+    return isinstance(getattr(m, "base_layer", None), nn.Module) and not isinstance(m, (nn.Linear, nn.Embedding))
 
 
 def _label(fqn: dict, owner: nn.Module, name: str) -> str:

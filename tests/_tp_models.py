@@ -1,0 +1,120 @@
+"""Models, batches and the one-device oracle of the tensor-parallel tests. Plain PyTorch and
+transformers only: this module never imports torchspmd (the oracle runs it in a clean
+process; see _clean.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 37  # divides by neither 2 nor 4: the vocabulary splits unevenly
+DIM, INTER = 16, 24
+STEPS = 3
+LR = 1e-2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.fc1 = nn.Linear(DIM, INTER)
+        self.fc2 = nn.Linear(INTER, DIM)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MlpLM(nn.Module):
+    """Embedding, two MLP blocks, an LM head: every weight of it can be split over 'model'."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=INTER, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=32,
+                       tie_word_embeddings=False)
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return MlpLM()
+    if kind == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(llama_config()).float()
+    raise ValueError(kind)
+
+
+def batches(batch: int):
+    """STEPS global batches of random tokens; ignored labels (-100) spread unevenly."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (batch * STEPS, 9), generator=g)
+    x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    for s in range(STEPS):
+        y[s * batch, :4] = -100
+    return [(x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch]) for s in range(STEPS)]
+
+
+def logits_of(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def loss_of(out, y):
+    out = logits_of(out)
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def oracle(kind: str, batch: int):
+    """One device: losses, the first step's gradients, the final parameters."""
+    model = build(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for x, y in batches(batch):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def pair() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, INTER), nn.GELU(), nn.Linear(INTER, DIM))
+
+
+def input_rows() -> torch.Tensor:
+    return torch.randn(5, DIM, generator=torch.Generator().manual_seed(2))
+
+
+def input_grad_oracle() -> torch.Tensor:
+    """One device: the gradient of a mean-square loss with respect to the input rows."""
+    x = input_rows().requires_grad_(True)
+    pair()(x).pow(2).mean().backward()
+    return x.grad
