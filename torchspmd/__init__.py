@@ -35,6 +35,7 @@ from torchspmd.sharding import (
     visualize_tensor_sharding,
 )
 from torchspmd.data import MpDeviceLoader, shard_batch
+from torchspmd.explain import explain
 from torchspmd.replicate import replicate
 from torchspmd.fsdp import (
     FSDPv2,
@@ -76,6 +77,7 @@ __all__ = [
     "set_global_mesh",
     "get_global_mesh",
     "mark_sharding",
+    "explain",
     "clear_sharding",
     "get_sharding",
     "ShardingSpec",

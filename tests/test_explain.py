@@ -1,0 +1,151 @@
+"""ts.explain: parameter layouts, and the collectives of one step as CommDebugMode counts them."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchspmd as ts
+from torchspmd.explain import explain
+from _helpers import same_on_every_rank
+
+ROWS = 6  # global batch: 3 rows per 'fsdp' shard
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 24)
+        self.fc2 = nn.Linear(24, 16)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _tp_fsdp_step():
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("fsdp", "model"))
+    torch.manual_seed(0)
+    m = MLP()
+    ts.mark_sharding(m.fc1.weight, mesh, ("model", None))  # column-parallel
+    ts.mark_sharding(m.fc2.weight, mesh, (None, "model"))  # row-parallel: the pair
+    model = ts.FSDPv2(m, mesh=mesh, collectives="native")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = ts.shard_batch((torch.randn(ROWS, 16, generator=g), torch.randn(ROWS, 16, generator=g)),
+                          ts.ShardingSpec(mesh, ("fsdp", None)))
+
+    def step():
+        with ts.step():
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+
+    r = explain(model, step)
+    layouts = [(p.name, p.shape, p.axes, p.local_numel, p.numel, p.compute) for p in r.layouts]
+    calls = sorted((c.kind, c.phase, c.axis, c.group_size, c.count, c.bytes) for c in r.collectives)
+    return layouts, r.comm_counts, r.total, calls, r.gathered_whole, str(r)
+
+
+def test_fsdp_tensor_parallel_step(dist):
+    results = dist(4).run(_tp_fsdp_step)
+    print(results[0][-1])  # the report, as rank 0 printed it
+    layouts, counts, total, calls, whole, _ = results[0]
+    assert whole == []
+    by_name = {name: rest for name, *rest in layouts}
+    assert list(by_name) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    # Each weight: split over 'model' by the annotation, over 'fsdp' by FSDP2 (on dim 0; for
+    # the column-parallel weight a _StridedShard inside the 'model' split): 1/4 here.
+    assert by_name["fc1.weight"][:4] == [(24, 16), (("fsdp", "model"), None), 96, 384]
+    assert by_name["fc2.weight"][:4] == [(16, 24), ("fsdp", "model"), 96, 384]
+    assert "colwise over 'model' (paired)" in by_name["fc1.weight"][4]
+    assert "rowwise over 'model' (paired)" in by_name["fc2.weight"][4]
+    assert by_name["fc2.bias"][:4] == [(16,), ("fsdp",), 8, 16]  # replicated over 'model': FSDP's 1/2
+
+    # The collectives of one step, as CommDebugMode counted them (the same on every rank):
+    assert same_on_every_rank([r[1] for r in results]) == counts
+    assert counts == {
+        # FSDP2's all-gather of the one unit (the root) over 'fsdp': once in forward, and once
+        # more in backward, because FSDPv2 passes reshard_after_forward=True to fully_shard
+        # explicitly, so the root frees its parameters after forward too (torch's default,
+        # None, keeps the root's gathered for backward: 1 all-gather).
+        "c10d._allgather_base_": 2,
+        # The row-parallel fc2's output: a pending sum over 'model', all-reduced in forward.
+        # No backward all-reduce of the column-parallel fc1's input gradient: fc1's input is
+        # the batch, which needs no gradient, so autograd never computes it.
+        "c10d_functional.all_reduce": 1,
+        # FSDP2's reduce-scatter of the unit's gradients over 'fsdp', in backward.
+        "c10d._reduce_scatter_base_": 1,
+        # loss.item(): the global loss is a pending sum over 'fsdp' (each shard's rows);
+        # torchspmd's .item() all-reduces the 4-byte scalar.
+        "c10d.allreduce_": 1,
+    }
+    assert total == 5
+    unit = 2 * 4 * (96 + 6 + 96 + 8)  # the unit's gathered parameters: 2 shards of 206 fp32
+    assert same_on_every_rank([r[3] for r in results]) == sorted([
+        ("c10d._allgather_base_", "forward", "fsdp", 2, 1, unit),
+        ("c10d._allgather_base_", "backward", "fsdp", 2, 1, unit),
+        ("c10d_functional.all_reduce", "forward", "model", 2, 1, 3 * 16 * 4),  # this shard's 3 rows of fc2
+        ("c10d._reduce_scatter_base_", "backward", "fsdp", 2, 1, unit),
+        # CommDebugMode's tracker calls what follows backward 'forward'
+        ("c10d.allreduce_", "forward", "fsdp", 2, 1, 4),
+    ])
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.scale = Scale()
+
+    def forward(self, x):
+        return self.scale(self.fc(x))
+
+
+def _gathered_whole_and_pattern1():
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("fsdp", "model"))
+    torch.manual_seed(0)
+    m = Scaled()
+    ts.mark_sharding(m.scale.weight, mesh, ("model",))  # not a Linear's or Embedding's weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GatheredWholeWarning names it too
+        model = ts.FSDPv2(m, mesh=mesh, collectives="native")
+    whole = explain(model).gathered_whole
+    with pytest.raises(ts.SpmdError) as e:
+        explain(model, strict=True)
+
+    # Pattern 1: DTensor parameters, no FSDP.
+    lin = nn.Linear(16, 24)
+    ts.mark_sharding(lin.weight, mesh, ("model", None))
+    layouts = [(p.name, p.axes, p.local_numel, p.numel, p.compute) for p in explain(lin).layouts]
+    return whole, str(e.value), layouts
+
+
+def test_gathered_whole_and_pattern1(dist):
+    whole, error, layouts = same_on_every_rank(dist(4).run(_gathered_whole_and_pattern1))
+    assert whole == ["scale.weight"]
+    assert "'scale.weight'" in error and "gathered whole" in error
+    assert layouts == [("weight", ("model", None), 192, 384, "DTensor ops"),
+                       ("bias", (None,), 24, 24, "whole on every process")]
+
+
+def test_plain_module_without_processes(capsys):
+    model = nn.Linear(4, 3)
+    r = explain(model, lambda: model(torch.ones(2, 4)).sum().backward())
+    assert [(p.name, p.local_numel, p.numel) for p in r.layouts] == [("weight", 12, 12), ("bias", 3, 3)]
+    assert r.comm_counts == {} and r.total == 0 and r.collectives == []
+    out = capsys.readouterr().out
+    assert "weight" in out and "CommDebugMode: 0 calls" in out
