@@ -54,7 +54,7 @@ def _texts(n, seed):
     return datasets.Dataset.from_dict({"text": out})
 
 
-def _args(out, sharded, model, **extra):
+def _args(out, sharded, model, model_axis=1, **extra):
     kw = dict(output_dir=out, per_device_train_batch_size=7, per_device_eval_batch_size=7, max_steps=3,
               learning_rate=1e-2, weight_decay=0.1, logging_steps=1, report_to=[], save_strategy="no",
               gradient_accumulation_steps=2, use_cpu=True, seed=0, disable_tqdm=True)
@@ -62,7 +62,7 @@ def _args(out, sharded, model, **extra):
     if sharded:
         from torchspmd.hf import fsdp_v2
 
-        kw.update(fsdp_v2.get_fsdp_training_args(model))
+        kw.update(fsdp_v2.get_fsdp_training_args(model, model_axis=model_axis))
     return transformers.TrainingArguments(**kw)
 
 
@@ -71,7 +71,7 @@ def _history(trainer):
     return {"loss": [r["loss"] for r in h if "loss" in r], "grad_norm": [r["grad_norm"] for r in h if "grad_norm" in r]}
 
 
-def _train_lm(out, sharded, **extra):
+def _train_lm(out, sharded, model_axis=1, **extra):
     """Train the tiny Llama 3 steps (2 epochs, accumulation 2, uneven padding); return
     the losses, gradient norms, eval loss and how the parameters are laid out."""
     from torch.distributed.tensor import DTensor
@@ -82,7 +82,7 @@ def _train_lm(out, sharded, **extra):
         cls = transformers.Trainer
     model = _model()
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
-    trainer = cls(model=model, args=_args(out, sharded, model, **extra), train_dataset=_token_rows(21, 1),
+    trainer = cls(model=model, args=_args(out, sharded, model, model_axis, **extra), train_dataset=_token_rows(21, 1),
                   eval_dataset=_token_rows(14, 2), data_collator=collator)
     trainer.train()
     result = _history(trainer)
@@ -99,6 +99,8 @@ def _train_lm(out, sharded, **extra):
     result["use_cache"] = trainer.model.config.use_cache
     result["checkpointed"] = sum(getattr(m, "_torchspmd_checkpointed", False) for m in trainer.model.modules())
     result["param_dtypes"] = sorted({str(p.dtype) for p in params})
+    q = trainer.model.model.layers[0].self_attn.q_proj.weight
+    result["q_proj"] = (q.to_local().numel() if isinstance(q, DTensor) else q.numel(), q.numel())
     return result
 
 
@@ -123,6 +125,20 @@ def test_trainer_shards_and_matches_one_process(dist, tmp_path, lm_oracle, world
         torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)
         torch.testing.assert_close(r["predictions"], lm_oracle["predictions"], rtol=RTOL, atol=1e-5)
     assert sum(r["local_numel"] for r in results) == lm_oracle["numel"]
+
+
+def test_trainer_with_a_model_axis_computes_tensor_parallel_and_matches_one_process(dist, tmp_path, lm_oracle):
+    # fsdp_config['model_axis'] = 2 on 4 devices: a (2, 2) ('fsdp', 'model') mesh, Llama's
+    # transformers plan (q/k/v, gate/up column-parallel; o, down row-parallel; the embedding
+    # split over the vocabulary; the LM head's output gathered) with FSDP over 'fsdp'.
+    results = dist(4).run(_train_lm, str(tmp_path), True, 2)
+    for r in results:
+        assert r["mesh_dims"] == ["('fsdp', 'model')", "('fsdp',)"]
+        assert r["q_proj"][0] == r["q_proj"][1] // 4  # split over both axes
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(lm_oracle[key]), rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(r["predictions"], lm_oracle["predictions"], rtol=RTOL, atol=1e-5)
 
 
 def _save_and_compare(out):
@@ -152,12 +168,12 @@ def test_save_model_writes_a_plain_hf_directory(dist, tmp_path):
     assert diff == 0.0
 
 
-def _train_with_checkpoints(out, resume=None, steps=4):
+def _train_with_checkpoints(out, resume=None, steps=4, model_axis=1):
     from torchspmd.hf import Trainer as SpmdTrainer
 
     model = _model()
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
-    args = _args(out, True, model, max_steps=steps, save_strategy="steps", save_steps=2)
+    args = _args(out, True, model, model_axis, max_steps=steps, save_strategy="steps", save_steps=2)
     trainer = SpmdTrainer(model=model, args=args, train_dataset=_token_rows(21, 1), data_collator=collator)
     trainer.train(resume_from_checkpoint=resume)
     return _history(trainer)
@@ -173,7 +189,16 @@ def test_resume_from_a_trainer_checkpoint_on_another_device_count(dist, tmp_path
         torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
 
 
-def _sft(out, sharded):
+def test_a_checkpoint_of_a_2d_mesh_resumes_on_a_1d_one(dist, tmp_path):
+    first = dist(4).run(_train_with_checkpoints, str(tmp_path / "a"), None, 4, 2)[0]
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    # Steps 3 and 4 again from the (2, 2) checkpoint of step 2, on a (4, 1) mesh.
+    resumed = dist(4).run(_train_with_checkpoints, str(tmp_path / "a"), str(ckpt), 4, 1)[0]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+
+
+def _sft(out, sharded, model_axis=1):
     from peft import LoraConfig, PeftModel
     from trl import SFTConfig
 
@@ -185,7 +210,7 @@ def _sft(out, sharded):
         from torchspmd.hf import SFTTrainer as cls
         from torchspmd.hf import fsdp_v2
 
-        kw.update(fsdp_v2.get_fsdp_training_args(model))
+        kw.update(fsdp_v2.get_fsdp_training_args(model, model_axis=model_axis))
     else:
         from trl import SFTTrainer as cls
     trainer = cls(model=model, args=SFTConfig(**kw), train_dataset=_texts(24, 3), processing_class=_tokenizer(),
@@ -212,9 +237,10 @@ def _sft(out, sharded):
     return result
 
 
-def test_sft_trainer_lora_trains_like_one_process_and_saves_an_adapter(dist, tmp_path):
+@pytest.mark.parametrize("world,model_axis", [(2, 1), (4, 2)])
+def test_sft_trainer_lora_trains_like_one_process_and_saves_an_adapter(dist, tmp_path, world, model_axis):
     oracle = run_clean(_sft, str(tmp_path / "one"), False)
-    got = dist(2).run(_sft, str(tmp_path / "two"), True)[0]
+    got = dist(world).run(_sft, str(tmp_path / "two"), True, model_axis)[0]
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(oracle[key]), rtol=RTOL, atol=1e-6)
     assert got["adapter_config"] == "LORA"

@@ -10,7 +10,10 @@ trainer runs the SPMD program torch_xla runs on a TPU host, over all the process
 
 - the model is wrapped in ``SpmdFullyShardedDataParallel`` over the ``'fsdp'`` axis of
   a ``(devices, 1)`` mesh with axes ``('fsdp', 'tensor')`` (made the global mesh, as
-  transformers does on a TPU), one unit per
+  transformers does on a TPU) — with ``fsdp_config['model_axis'] = m``
+  (``get_fsdp_training_args(model, model_axis=m)``) a ``(devices / m, m)`` mesh over
+  ``('fsdp', 'model')``, the model computing tensor-parallel over ``'model'`` as its
+  transformers plan says (``fsdp_v2.shard_by_tp_plan``) —, one unit per
   ``transformer_layer_cls_to_wrap`` layer (or by ``min_num_params``); parameters,
   gradients and optimizer state are split over the devices; ``xla_fsdp_grad_ckpt`` adds
   ``checkpoint_module`` to each wrapped layer and turns ``use_cache`` off; ``bf16=True``
@@ -214,12 +217,24 @@ class Trainer(transformers.Trainer):
         from torchspmd.fsdp import FSDPv2, checkpoint_module, shard_in_place
 
         cfg = self._spmd_fsdp_config
-        # As transformers' torch_xla path: a (devices, 1) mesh, made the global mesh.
+        # As transformers' torch_xla path: a (devices, 1) mesh, made the global mesh; with a
+        # 'model' axis (fsdp_config['model_axis']), (devices / m, m) and the model's
+        # transformers tensor-parallel plan as sharding annotations.
         n = ts.global_runtime_device_count()
-        mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
+        m = cfg.get("model_axis", 1)
+        if type(m) is not int or m < 1 or n % m:
+            raise SpmdError(f"fsdp_config['model_axis'] = {m!r}: give a size of the 'model' axis dividing the "
+                            f"{n} devices")
+        model = self.model
+        if m > 1:
+            from torchspmd.hf.fsdp_v2 import shard_by_tp_plan
+
+            mesh = ts.Mesh(list(range(n)), (n // m, m), ("fsdp", "model"))
+            shard_by_tp_plan(model, mesh)
+        else:
+            mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
         ts.set_global_mesh(mesh)
         self._spmd_mesh = mesh
-        model = self.model
         policy, checkpointing = _wrapping(model, cfg)
         # Layers become FSDPv2 units in place (no wrapper module): the model keeps its module
         # names, which PEFT's adapter saving and transformers' optimizer grouping walk.
