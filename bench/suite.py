@@ -23,6 +23,16 @@ Models: ``seed``, the 107M-parameter seed decoder (vocab 3200, dim 1024, 8 layer
 4096), and ``llama``, a transformers Llama of the same shape built from a config. The
 scaling run trains torchspmd FSDPv2 on 1, 2 and 4 processes at two model sizes.
 
+``--2d`` runs only the 2D comparison (tensor parallel x FSDP, 4 processes on a (2, 2)
+mesh, the ``small`` seed decoder, same global batches): torchspmd FSDPv2 with the MLP and
+LM-head weights annotated over ``'model'`` (``2d-fsdpv2``), against the composition
+PyTorch users write by hand as torchtitan does: ``parallelize_module`` over the ``'tp'``
+mesh dimension, then ``fully_shard`` over ``'dp'`` (``2d-tp-fsdp2``). The two run
+``--repeats`` times each, interleaved (A B, B A, ...), and the table gives the median
+and the range over the runs; one plain process gives the reference losses and gradient
+norm both must reproduce. Writes ``bench/results/suite_2d.md`` and ``suite_2d.json``
+(nothing else).
+
 Tokens/s is the median of the timed steps after warm-up; peak RSS is rank 0's (the
 processes are alike); model state is the bytes of parameters, gradients and optimizer
 state one process holds. Writes ``bench/results/suite.md``, ``suite.json`` and
@@ -54,6 +64,9 @@ XLA = ("xla", "xla-torchspmd")
 NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2",
          "fsdpv2-native": "torchspmd FSDPv2, FSDP2's collectives", "fsdpv2-compile": "torchspmd FSDPv2, compile",
          "xla": "torch_xla FSDPv2 (one process)", "xla-torchspmd": "torchspmd FSDPv2 on the XLA backend (one process)"}
+TWO_D = ["2d-fsdpv2", "2d-tp-fsdp2"]
+NAMES_2D = {"2d-fsdpv2": "torchspmd FSDPv2, weights annotated over 'model'",
+            "2d-tp-fsdp2": "parallelize_module + fully_shard (torchtitan style)", "2d-single": "one process"}
 
 
 def _xla_python() -> str | None:
@@ -140,6 +153,188 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
     times = timed_steps(model, opt, loader, vocab, warmup)
     if rank == 0:
         write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30)
+
+
+def worker_2d(strategy: str, steps: int, warmup: int, result: str) -> None:
+    """One 2D run (``2d-fsdpv2``, ``2d-tp-fsdp2``, or the one-process reference ``2d-single``)
+    of the ``small`` seed decoder: every rank's peak RSS, the timed steps, the losses of all
+    steps and the gradient norm of the first step, all as one device computes them."""
+    import contextlib
+    import functools
+    import resource
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from torchspmd.models import DecoderLayer, DecoderModel
+
+    torch.manual_seed(0)
+    model = DecoderModel(**SMALL)
+    vocab = SMALL["vocab_size"]
+    batches = list(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH))
+    tokens = BATCH * SEQ
+    step_ctx = contextlib.nullcontext
+    dp_group = None
+    if strategy == "2d-single":
+        def feed(x, y):
+            return x, y
+
+        def loss_of(x, y):
+            return F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    elif strategy == "2d-fsdpv2":
+        import numpy as np
+
+        import torchspmd as ts
+
+        ts.use_spmd()
+        mesh = ts.Mesh(np.arange(4), (2, 2), ("fsdp", "model"))
+        for layer in model.layers:  # annotated in place, as torch_xla programs do
+            ts.mark_sharding(layer.up.weight, mesh, ("model", None))
+            ts.mark_sharding(layer.down.weight, mesh, (None, "model"))
+        ts.mark_sharding(model.lm_head.weight, mesh, ("model", None))
+        policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+        model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
+        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+        step_ctx = ts.step
+
+        def feed(x, y):
+            return ts.shard_batch((x, y), spec)
+
+        def loss_of(x, y):
+            return F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        for m in [*model.layers, model]:
+            fully_shard(m, mesh=mesh["dp"])
+            m.set_gradient_divide_factor(1.0)  # gradients summed over dp: the loss is already / global tokens
+            m.set_force_sum_reduction_for_comms(True)
+        dp, rows = mesh["dp"].get_local_rank(), BATCH // mesh["dp"].size()
+        dp_group = mesh["dp"].get_group()
+
+        def feed(x, y):  # this process's dp rows of the global batch
+            return x[dp * rows:(dp + 1) * rows], y[dp * rows:(dp + 1) * rows]
+
+        def loss_of(x, y):
+            logits = model(x)
+            return F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1), reduction="sum") / tokens
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times, losses, grad_norm = [], [], None
+    for step, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        with step_ctx():
+            x, y = feed(x, y)
+            loss = loss_of(x, y)
+            loss.backward()
+            if step == 0:  # a warm-up step: not timed
+                grad_norm = sum(full(p.grad).double().pow(2).sum() for p in model.parameters()).sqrt().item()
+            opt.step()
+            opt.zero_grad()
+        value = loss.item()  # wait for the step to finish
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(value)
+    if dp_group is not None:  # each dp row group holds its part of the loss
+        total = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(total, group=dp_group)
+        losses = total.tolist()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, rss)
+        rank = dist.get_rank()
+    else:
+        every, rank = [rss], 0
+    if rank == 0:
+        Path(result).write_text(json.dumps({
+            "strategy": strategy, "tokens_per_s": tokens / statistics.median(times), "peak_rss_gb": every,
+            "state_gb": _state_bytes(model, opt) / 2**30, "losses": losses, "grad_norm": grad_norm,
+        }))
+
+
+def run_2d(repeats: int, steps: int, warmup: int) -> None:
+    """The 2D comparison, interleaved: A B, B A, A B, ... so that a slow stretch of this
+    shared machine falls on both alike; writes bench/results/suite_2d.md and .json."""
+    import statistics
+
+    import torch
+
+    def launch(strategy: str, nproc: int) -> dict:
+        args = ["--worker", strategy, "--steps", str(steps), "--warmup", str(warmup)]
+        return run_worker(__file__, args, nproc, HERE / "results" / f".{strategy}.json")
+
+    ref = launch("2d-single", 1)
+    runs: dict[str, list[dict]] = {s: [] for s in TWO_D}
+    for r in range(repeats):
+        for s in (TWO_D if r % 2 == 0 else TWO_D[::-1]):
+            runs[s].append(launch(s, 4))
+            print(f"2d repeat {r + 1}/{repeats}: {s} {runs[s][-1]['tokens_per_s']:.0f} tok/s", flush=True)
+
+    rows = []
+    for s in TWO_D:
+        tps = [x["tokens_per_s"] for x in runs[s]]
+        rss = [max(x["peak_rss_gb"]) for x in runs[s]]
+        rows.append({
+            "strategy": s, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
+            "peak_rss_gb": statistics.median(rss), "peak_rss_gb_runs": rss,
+            "peak_rss_gb_ranks": runs[s][-1]["peak_rss_gb"], "state_gb": runs[s][0]["state_gb"],
+            "max_loss_diff": max(abs(a - b) for x in runs[s] for a, b in zip(x["losses"], ref["losses"])),
+            "grad_norm_rel_diff": max(abs(x["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"] for x in runs[s]),
+        })
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[TWO_D[0]], runs[TWO_D[1]])]
+    cores = os.cpu_count() or 1
+    lines = [
+        "## 2D: tensor parallel x FSDP, 4 processes on a (2, 2) mesh", "",
+        f"`python bench/suite.py --2d --repeats {repeats} --steps {steps} --warmup {warmup}` on this machine: "
+        f"{platform.machine()}, {cores} cores, torch {torch.__version__}, gloo. Seed decoder {SMALL}, "
+        f"global batch {BATCH} x {SEQ} tokens (2 rows per data-parallel group), Adam; MLP (`up` column-, "
+        f"`down` row-parallel) and LM head (column-parallel, output gathered) split over the tensor-parallel "
+        f"axis, one FSDP unit per decoder layer over the data axis. Each run's tokens/s is the median of its "
+        f"{steps - warmup} timed steps (the batch's sharding included); {repeats} runs of each, interleaved. "
+        f"OMP threads = 1 per process.", "",
+        "| strategy | processes | tokens/s, median of runs | tokens/s, min-max of runs | "
+        "peak RSS per process (GB), median of runs | min-max of runs | model state per process (GB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tps, rss = r["tokens_per_s_runs"], r["peak_rss_gb_runs"]
+        lines.append(f"| {NAMES_2D[r['strategy']]} | 4 (2 x 2) | {r['tokens_per_s']:.0f} | "
+                     f"{min(tps):.0f}-{max(tps):.0f} | {r['peak_rss_gb']:.2f} | {min(rss):.2f}-{max(rss):.2f} | "
+                     f"{r['state_gb']:.4f} |")
+    lines.append(f"| {NAMES_2D['2d-single']} (reference for losses and gradients, one run, not timed against "
+                 f"the others) | 1 | | | {ref['peak_rss_gb'][0]:.2f} | | {ref['state_gb']:.4f} |")
+    lines += [
+        "",
+        f"torchspmd FSDPv2 / torchtitan-style tokens/s, per pair of adjacent runs: median "
+        f"{statistics.median(ratios):.2f}x, min-max {min(ratios):.2f}-{max(ratios):.2f}x. "
+        "Peak RSS per process is the largest of the 4 processes in each run; model state is the bytes of "
+        "parameters and Adam moments one process holds.", "",
+        f"Same training as one process: over the {steps} steps, the largest |loss - one process's loss| is "
+        + ", ".join(f"{r['max_loss_diff']:.1e} ({r['strategy']})" for r in rows)
+        + "; the relative difference of the first step's gradient norm is "
+        + ", ".join(f"{r['grad_norm_rel_diff']:.1e} ({r['strategy']})" for r in rows) + ".", "",
+    ]
+    text = "\n".join(lines)
+    (HERE / "results" / "suite_2d.md").write_text(text)
+    (HERE / "results" / "suite_2d.json").write_text(json.dumps(
+        {"rows": rows, "reference": ref, "ratios": ratios, "runs": runs}, indent=1))
+    print(text)
 
 
 def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str, api: str) -> None:
@@ -283,21 +478,30 @@ def main() -> None:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--strategies", nargs="+", default=STRATEGIES)
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="default 8 (12 with --2d)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-scaling", action="store_true")
     p.add_argument("--update", action="store_true",
                    help="merge this run's rows into bench/results/suite.json (same model, strategy and processes "
                         "replaced) and write the tables again")
+    p.add_argument("--2d", dest="two_d", action="store_true",
+                   help="run only the 2D (tensor parallel x FSDP) comparison; writes bench/results/suite_2d.*")
+    p.add_argument("--repeats", type=int, default=3, help="--2d: runs of each strategy, interleaved")
     p.add_argument("--worker")
     p.add_argument("--xla-worker", choices=XLA)
     p.add_argument("--result")
     a = p.parse_args()
+    if a.steps is None:
+        a.steps = 12 if a.two_d else 8
+    if a.worker in (*TWO_D, "2d-single"):
+        return worker_2d(a.worker, a.steps, a.warmup, a.result)
     if a.worker:
         return worker(a.worker, a.models[0], a.size, a.steps, a.warmup, a.result)
     if a.xla_worker:
         return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result, a.xla_worker)
     (HERE / "results").mkdir(exist_ok=True)
+    if a.two_d:
+        return run_2d(a.repeats, a.steps, a.warmup)
     xla = _xla_python()
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
     results: dict[str, list[dict]] = {}
