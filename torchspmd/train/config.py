@@ -67,6 +67,8 @@ class OptimConfig:
 class MeshConfig:
     devices: int = _f(0, "processes (devices) on this host; 0: every CUDA device, else 2 CPU processes")
     data: int = _f(1, "replicas over an extra 'data' axis (hybrid sharding); the rest is 'fsdp'")
+    model: int = _f(1, "size of the 'model' axis: tensor parallelism over it (a transformers model's own "
+                       "tensor-parallel plan; the seed decoder's MLP, embedding and LM head); the rest is 'fsdp'")
     backend: str = _f("", "'cuda', 'cpu' or 'xla'; empty: xla when PJRT_DEVICE is set and torch_xla is "
                           "installed, else cuda when available, else cpu")
 
@@ -345,20 +347,36 @@ def preflight(cfg: TrainConfig) -> None:
 
     world = planned_devices(cfg)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    if cfg.mesh.model < 1:
+        raise SpmdError(f"mesh.model = {cfg.mesh.model}: give the size of the 'model' axis, 1 or more "
+                        f"(1: no tensor parallelism)")
     if world is not None:
-        if world % cfg.mesh.data:
-            divisors = [k for k in range(1, world + 1) if world % k == 0]
-            raise SpmdError(f"mesh.data = {cfg.mesh.data} does not divide the {world} devices; choose one of "
-                            f"{', '.join(map(str, divisors))} (1: no extra 'data' axis)")
-        if micro % world:
-            raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
-                            f"divisible by the {world} data-parallel devices; use a multiple of {world}")
+        mesh_checks(cfg, world)
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     if cfg.model.pretrained:
         _check_pretrained(cfg, tokenizer)
     if not runtime._launched():
         tokens = tdata.load_tokens(cfg.data, tokenizer, Path(cfg.out_dir) / "cache")
         tdata.check_corpus(len(tokens), cfg.data, cfg.optim)
+
+
+def mesh_checks(cfg: TrainConfig, world: int) -> None:
+    """``mesh.data`` x ``mesh.model`` against the device count, the micro-batch against the
+    data-parallel devices."""
+    micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    divisors = [k for k in range(1, world + 1) if world % k == 0]
+    if world % cfg.mesh.data:
+        raise SpmdError(f"mesh.data = {cfg.mesh.data} does not divide the {world} devices; choose one of "
+                        f"{', '.join(map(str, divisors))} (1: no extra 'data' axis)")
+    if world % (cfg.mesh.data * cfg.mesh.model):
+        fits = [k for k in divisors if (world // cfg.mesh.data) % k == 0]
+        raise SpmdError(f"mesh.model = {cfg.mesh.model} does not divide the {world // cfg.mesh.data} devices left "
+                        f"by mesh.data = {cfg.mesh.data}; choose one of {', '.join(map(str, fits))} "
+                        f"(1: no tensor parallelism)")
+    dp = world // cfg.mesh.model
+    if micro % dp:
+        raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
+                        f"divisible by the {dp} data-parallel devices; use a multiple of {dp}")
 
 
 def _check_pretrained(cfg: TrainConfig, tokenizer) -> None:

@@ -201,6 +201,25 @@ def _save_kill_point(step: int) -> str | None:
     return point
 
 
+def shard_over_model(model, kind: str, mesh) -> None:
+    """Annotate the weights that compute tensor-parallel over 'model': a transformers
+    model's own plan; the seed decoder's MLP pairs, embedding and LM head (its packed
+    attention projection stays FSDP's)."""
+    if kind == "seed":
+        for layer in model.layers:
+            ts.mark_sharding(layer.up.weight, mesh, ("model", None))
+            ts.mark_sharding(layer.down.weight, mesh, (None, "model"))
+        ts.mark_sharding(model.embed.weight, mesh, ("model", None))
+        ts.mark_sharding(model.lm_head.weight, mesh, ("model", None))
+        return
+    from torchspmd.hf.fsdp_v2 import shard_by_tp_plan, tp_plan
+
+    if not tp_plan(model):
+        raise SpmdError(f"mesh.model = {mesh.shape()['model']}: {type(model).__name__} declares no tensor-parallel "
+                        f"plan (config.base_model_tp_plan); use mesh.model = 1 for this model family")
+    shard_by_tp_plan(model, mesh)
+
+
 def _materialize(model, kind: str, seed: int, rank: int) -> None:
     """Give a model built on the meta device real (initialised) parameters on the device."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -252,14 +271,19 @@ def run(cfg: TrainConfig) -> dict:
     tokens = tdata.load_tokens(cfg.data, tokenizer, out / "cache")
     train_ds, eval_ds = tdata.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
 
-    if world % cfg.mesh.data:
-        raise SpmdError(f"mesh.data = {cfg.mesh.data} does not divide the {world} devices")
-    mesh = ts.Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
+    from torchspmd.train.config import mesh_checks
+
+    mesh_checks(cfg, world)
+    tp = cfg.mesh.model
+    if tp > 1:
+        shape = (cfg.mesh.data, world // (cfg.mesh.data * tp), tp)
+        mesh = ts.Mesh(np.arange(world), shape, ("data", "fsdp", "model"))
+    else:
+        mesh = ts.Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
     ts.set_global_mesh(mesh)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
-    if micro % world:
-        raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
-                        f"divisible by the {world} data-parallel devices; use a multiple of {world}")
+    if tp > 1:
+        shard_over_model(model, info["kind"], mesh)
 
     import functools
 
@@ -279,7 +303,9 @@ def run(cfg: TrainConfig) -> dict:
                                                              None) is not None)
         print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
     if cfg.model.meta_init and not on_xla:
-        _materialize(model, info["kind"], cfg.seed, rank)  # each shard draws its own values
+        # each shard draws its own values; the processes along 'model' hold the same FSDP
+        # shards of what is not split over 'model', which must agree
+        _materialize(model, info["kind"], cfg.seed, rank // tp)
     n_params = sum(p.numel() for p in model.parameters())
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
