@@ -12,6 +12,13 @@ VOCAB = 37  # divides by neither 2 nor 4: the vocabulary splits unevenly
 DIM, INTER = 16, 24
 STEPS = 3
 LR = 1e-2
+# Adam's eps. Adam's step lr * m / (sqrt(v) + eps) has slope up to lr / eps in the gradient
+# near zero, so an element whose gradient is a near-cancelling sum (1e-7 from terms of 1e-3)
+# moves by whatever the last bits of that sum say; the summation order of sharded reductions
+# changes those bits (measured after 3 steps: 1e-5 on one element of a Llama weight with
+# torch's eps 1e-8, still 8e-6 with 1e-6). eps = 1e-3 bounds the slope by 10: a wrong layout
+# still differs at O(1), last-bit noise no longer does.
+EPS = 1e-3
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +57,46 @@ class MlpLM(nn.Module):
         return self.lm_head(x)
 
 
+class AttnBlock(nn.Module):
+    """Pre-norm attention (nn.MultiheadAttention with biases, 4 heads) and an MLP. ``batch_first``
+    and the mask kind vary by layer: a float causal mask and no weights, or the sequence-first
+    layout with a bool mask and the averaged weights returned (unused)."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.norm = RMSNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 4, batch_first=batch_first)
+        self.mlp = Block()
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.norm(x)
+        if self.batch_first:
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        else:
+            h = h.transpose(0, 1)
+            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            a, _ = self.attn(h, h, h, attn_mask=mask)
+            a = a.transpose(0, 1)
+        return self.mlp(x + a)
+
+
+class AttnLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([AttnBlock(True), AttnBlock(False)])
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
 def llama_config():
     from transformers import LlamaConfig
 
@@ -62,6 +109,8 @@ def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "mlp":
         return MlpLM()
+    if kind == "attn":
+        return AttnLM()
     if kind == "llama":
         from transformers import LlamaForCausalLM
 
@@ -91,7 +140,7 @@ def loss_of(out, y):
 def oracle(kind: str, batch: int):
     """One device: losses, the first step's gradients, the final parameters."""
     model = build(kind)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
     losses, grads = [], None
     for x, y in batches(batch):
         loss = loss_of(model(x), y)

@@ -432,7 +432,14 @@ def _view(op, args, kwargs):
     DTensor can express: gather the uneven dims first (correct, but it moves the tensor)."""
     x = args[0]
     if not _uneven(x):
-        return _default(op, args, kwargs)
+        try:
+            return _default(op, args, kwargs)
+        except RuntimeError as e:
+            # A view DTensor has no layout for (a split dim unflattened into pieces the mesh
+            # does not divide: nn.MultiheadAttention's q, k, v out of a projection split over
+            # 'model'): gather the split dims, as for an uneven split.
+            if "redistribute" not in str(e) and "Sharding propagation failed" not in str(e):
+                raise
     mesh = x.device_mesh
     whole = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
     return _default(op, (whole, *args[1:]), kwargs)

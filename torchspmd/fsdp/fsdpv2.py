@@ -276,6 +276,13 @@ def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, 
     if ignored:
         _gather_on_use(module, ignored, mesh, data_dims)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    extra = {}
+    if any(hasattr(p, "_torchspmd_fsdp_dim") for p in module.parameters()):
+        # a parameter split by heads on dim 0 (tensor_parallel.py) is split over 'fsdp' on dim 1
+        from torch.distributed.tensor import Shard
+
+        extra["shard_placement_fn"] = lambda p: Shard(p._torchspmd_fsdp_dim) if hasattr(p, "_torchspmd_fsdp_dim") \
+            else None
     fully_shard(
         module,
         mesh=fsdp_mesh,
@@ -283,6 +290,7 @@ def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, 
         mp_policy=_mp_policy(mixed_precision),
         offload_policy=offload,
         ignored_params=ignored or None,
+        **extra,
     )
     _sum_reductions(module)
     from torchspmd.fsdp.collectives import install

@@ -27,15 +27,17 @@ that an error.
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torchspmd._errors import SpmdError
 
-COL, ROW = "colwise", "rowwise"
+COL, ROW, MHA = "colwise", "rowwise", "attention"
 
 
 class GatheredWholeWarning(UserWarning):
@@ -96,6 +98,14 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
                 )
             else:
                 splits[name] = split[0]
+        mha = _attention_of(owner, parent)
+        if mha is not None and splits and mha._qkv_same_embed_dim and all(
+                (name == "in_proj_weight" and dim == 0) or (name == "in_proj_bias" and dim == 0)
+                or (owner is mha.out_proj and name == "weight" and dim == 1) for name, (_, dim) in splits.items()):
+            # nn.MultiheadAttention split by heads (its packed projection and out_proj)
+            styles[mha] = MHA
+            axis_of[mha] = next(iter(splits.values()))[0]
+            continue
         style = _style_of(owner, "weight", splits["weight"][1]) if "weight" in splits else None
         if style is not None:
             styles[owner] = style
@@ -106,8 +116,8 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             msg = (
                 f"FSDPv2: {_label(fqn, owner, name)!r} ({type(owner).__name__}) is annotated over "
                 f"{mesh.axis_label(axis)!r} but is gathered whole for compute: tensor parallelism covers the "
-                f"weights of nn.Linear and nn.Embedding. It stays stored as annotated; leave it unannotated "
-                f"to let FSDP shard it"
+                f"weights of nn.Linear and nn.Embedding and nn.MultiheadAttention's packed projection (dim 0) "
+                f"and out_proj (dim 1). It stays stored as annotated; leave it unannotated to let FSDP shard it"
             )
             if strict:
                 raise SpmdError(msg + " (strict_sharding=True refuses the gather)")
@@ -173,6 +183,11 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             else:
                 first_holder[id(p)] = (owner, name)
     for owner, style in styles.items():
+        if style == MHA:
+            _check_attention(fqn, owner, n, axis_name, dmesh, data_dims, mesh)
+            _attention_to_tp(owner, tp_mesh)
+            owner._torchspmd_tp = owner.out_proj._torchspmd_tp = (axis_name, style, True)
+            continue
         _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
         if style == COL:
             out = Shard(-1) if owner in paired_col else Replicate()
@@ -249,3 +264,151 @@ def _to_tp_mesh(owner: nn.Module, params: dict, data_dims, axis: int, tp_mesh, d
             else:
                 new = p.full_tensor()
             owner._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+
+
+# -- nn.MultiheadAttention split by heads ---------------------------------------------------
+#
+# The packed projection ``in_proj_weight`` (3E x E: q, k, v) is held, on the 'model' axis, as
+# this process's heads of each of q, k and v (DTensor's _StridedShard(0, split_factor=3): the
+# global value stays the module's own), and FSDP splits it on dim 1 (E) over 'fsdp';
+# ``out_proj`` is row-parallel. Forward: q, k, v of the local heads from the whole input
+# (whose gradient is summed over 'model'), attention on them, the output projection's
+# partial sums reduced once. The packed bias and out_proj's bias stay whole (FSDP's).
+
+
+def _attention_of(owner: nn.Module, parent: dict):
+    if isinstance(owner, nn.MultiheadAttention):
+        return owner
+    up = parent.get(owner)
+    if isinstance(up, nn.MultiheadAttention) and owner is up.out_proj:
+        return up
+    return None
+
+
+def _check_attention(fqn, mha: nn.MultiheadAttention, n: int, axis: str, dmesh, data_dims, mesh) -> None:
+    label = _label(fqn, mha, "in_proj_weight")
+    if mha.num_heads % n:
+        raise SpmdError(
+            f"FSDPv2: {label!r} projects to {mha.num_heads} heads, which do not split over the {axis!r} axis of "
+            f"size {n}: give the axis a size dividing the number of heads, or leave the attention unannotated"
+        )
+    fsdp = dmesh.size(mesh.axis_names.index("fsdp"))
+    if mha.embed_dim % fsdp:
+        raise SpmdError(
+            f"FSDPv2: {label!r} is split over 'fsdp' on dim 1 (its {mha.embed_dim} input features; dim 0 holds "
+            f"the heads), which needs a size divisible by the 'fsdp' axis of size {fsdp}; leave the attention "
+            f"unannotated, or choose sizes that divide"
+        )
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _attention_to_tp(mha: nn.MultiheadAttention, tp_mesh) -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    n, r = tp_mesh.size(), tp_mesh.get_local_rank()
+    w = _whole(mha.in_proj_weight)
+    local = torch.cat([block.chunk(n)[r] for block in w.chunk(3)])
+    new = nn.Parameter(DTensor.from_local(local.contiguous(), tp_mesh, [_StridedShard(0, split_factor=3)],
+                                          run_check=False, shape=w.shape, stride=w.stride()),
+                       requires_grad=mha.in_proj_weight.requires_grad)
+    new._torchspmd_fsdp_dim = 1  # FSDP splits the input features: dim 0 is split by heads already
+    mha._parameters["in_proj_weight"] = new
+    if mha.in_proj_bias is not None:
+        mha._parameters["in_proj_bias"] = nn.Parameter(_whole(mha.in_proj_bias), requires_grad=mha.in_proj_bias.requires_grad)
+    out = mha.out_proj
+    wo = _whole(out.weight)
+    out._parameters["weight"] = nn.Parameter(
+        DTensor.from_local(wo.chunk(n, dim=1)[r].contiguous(), tp_mesh, [Shard(1)], run_check=False,
+                           shape=wo.shape, stride=wo.stride()), requires_grad=out.weight.requires_grad)
+    if out.bias is not None:
+        out._parameters["bias"] = nn.Parameter(_whole(out.bias), requires_grad=out.bias.requires_grad)
+    mha.forward = functools.partial(_attention_forward, mha, tp_mesh)
+
+
+def _attention_forward(mha: nn.MultiheadAttention, tp_mesh, query, key, value, key_padding_mask=None,
+                       need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False):
+    """nn.MultiheadAttention.forward on this process's heads (same arguments, same results)."""
+    import torch.nn.functional as F
+
+    n = tp_mesh.size()
+    E, H = mha.embed_dim, mha.num_heads
+    Hl, d = H // n, E // H
+    if not mha.batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    unbatched = query.dim() == 2
+    if unbatched:
+        query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+    W = mha.in_proj_weight
+    local_w = W.to_local().chunk(3)
+    b = mha.in_proj_bias
+    entered: dict[int, DTensor] = {}
+
+    def project(x, i):
+        # the whole input, replicated over 'model': its gradient is the sum over the heads
+        if id(x) not in entered:
+            entered[id(x)] = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        wi = DTensor.from_local(local_w[i], tp_mesh, [Shard(0)], run_check=False, shape=(E, E), stride=(E, 1))
+        bi = None
+        if b is not None:
+            bi = DTensor.from_local(b[i * E:(i + 1) * E], tp_mesh, [Replicate()], run_check=False).redistribute(
+                tp_mesh, [Shard(0)])
+        y = F.linear(entered[id(x)], wi, bi).to_local()
+        return y.view(y.shape[0], y.shape[1], Hl, d).transpose(1, 2)  # (B, Hl, T, d)
+
+    q, k, v = project(query, 0), project(key, 1), project(value, 2)
+    B, T, S = q.shape[0], q.shape[2], k.shape[2]
+    mask = _merged_mask(attn_mask, key_padding_mask, B, H, T, S, q.dtype, tp_mesh.get_local_rank() * Hl, Hl)
+    p = mha.dropout if mha.training else 0.0
+    weights = None
+    if need_weights:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+        if mask is not None:
+            scores = scores + mask
+        elif is_causal:
+            scores = scores + torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        probs = torch.softmax(scores, dim=-1)
+        with torch.no_grad():
+            # the averaged (or per-head) weights over every head: summed (gathered) over 'model'
+            part = probs.sum(1) / H if average_attn_weights else probs
+            place = [Partial()] if average_attn_weights else [Shard(1)]
+            weights = DTensor.from_local(part.detach(), tp_mesh, place, run_check=False).full_tensor()
+            if unbatched:
+                weights = weights.squeeze(0)
+        attn = F.dropout(probs, p, training=p > 0) @ v
+    else:
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                              is_causal=bool(is_causal and mask is None))
+    attn = attn.transpose(1, 2).reshape(B, T, Hl * d)
+    o = DTensor.from_local(attn, tp_mesh, [Shard(-1)], run_check=False, shape=(B, T, E),
+                           stride=(T * E, E, 1))
+    out = F.linear(o, mha.out_proj.weight).redistribute(tp_mesh, [Replicate()]).to_local()
+    if mha.out_proj.bias is not None:
+        out = out + mha.out_proj.bias
+    if unbatched:
+        out = out.squeeze(0)
+    elif not mha.batch_first:
+        out = out.transpose(0, 1)
+    return out, weights
+
+
+def _merged_mask(attn_mask, key_padding_mask, B, H, T, S, dtype, first_head, Hl):
+    """nn.MultiheadAttention's masks (True or -inf: not attended) as one additive float mask
+    for this process's heads, or None."""
+    def additive(m):
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        m = additive(attn_mask)
+        if m.dim() == 3:  # (B * H, T, S): this process's heads
+            m = m.view(B, H, T, S)[:, first_head:first_head + Hl]
+        mask = m
+    if key_padding_mask is not None:
+        kp = additive(key_padding_mask).view(B, 1, 1, S)
+        mask = kp if mask is None else mask + kp
+    return mask

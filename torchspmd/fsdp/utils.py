@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from typing import Iterable
 
 import torch
@@ -61,13 +64,29 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = Tr
     ``rank0_only`` the other processes get an empty dict."""
     out: dict[str, torch.Tensor] = {}
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    for key, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        if keep:
-            value = value.detach()
-            out[key] = value.cpu() if cpu else value.clone()
+    with quiet_gathers():
+        for key, value in model.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if keep:
+                value = value.detach()
+                out[key] = value.cpu() if cpu else value.clone()
     return out
+
+
+@contextlib.contextmanager
+def quiet_gathers():
+    """Gathering a weight split over 'model' and, within that, over 'fsdp' (FSDP2's strided
+    split) takes DTensor two all-gathers, and it logs a warning on every process that they
+    cannot be merged. Gathering whole weights once (a save, an export) is not a hot path:
+    the warning is held back here."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
