@@ -53,3 +53,21 @@ def test_hf_finetune_example(tmp_path):
     result = json.loads(r.stdout.split("result:")[1].strip().splitlines()[0])
     assert result["last_loss"] < result["first_loss"] and result["lora_weights"] > 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_tensor_parallel_example_runs_on_four_cpu_devices():
+    env = clean_env(CPU_NUM_DEVICES=4)
+    steps = 10
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "fsdp_v2_tensor_parallel.py"), "--steps", str(steps),
+                        "--log-every", "1", "--dim", "64", "--layers", "2", "--heads", "4", "--intermediate", "256",
+                        "--vocab", "512", "--batch", "8", "--seq", "32", "--explain"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = example_losses(r.stdout)
+    assert sorted(printed) == list(range(steps)) and r.stdout.count("Loss:") == steps, r.stdout
+    losses = [printed[k] for k in range(steps)]
+    assert losses[-1] < losses[0], losses
+    # each process stores 1/(fsdp x model) of the up-projection, and the layout table says how it computes
+    assert "(1/4; fsdp x model = 2 x 2)" in r.stdout, r.stdout
+    assert "tensor-parallel colwise over 'model' (paired)" in r.stdout, r.stdout
+    assert not [l for l in r.stderr.splitlines() if "Warning" in l], r.stderr[-3000:]

@@ -23,10 +23,9 @@ import pickle
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
-
-import warnings
 
 import torch
 import torch.distributed as dist

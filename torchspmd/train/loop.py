@@ -203,10 +203,12 @@ def _save_kill_point(step: int) -> str | None:
 
 def shard_over_model(model, kind: str, mesh) -> None:
     """Annotate the weights that compute tensor-parallel over 'model': a transformers
-    model's own plan; the seed decoder's MLP pairs, embedding and LM head (its packed
-    attention projection stays FSDP's)."""
+    model's own plan; the seed decoder's attention (by heads), MLP pairs, embedding and LM
+    head."""
     if kind == "seed":
         for layer in model.layers:
+            ts.mark_sharding(layer.attn.in_proj_weight, mesh, ("model", None))  # split by heads
+            ts.mark_sharding(layer.attn.out_proj.weight, mesh, (None, "model"))
             ts.mark_sharding(layer.up.weight, mesh, ("model", None))
             ts.mark_sharding(layer.down.weight, mesh, (None, "model"))
         ts.mark_sharding(model.embed.weight, mesh, ("model", None))
