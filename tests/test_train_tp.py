@@ -102,3 +102,23 @@ def test_mesh_model_that_does_not_divide_the_devices_is_named(tmp_path):
     r = train(tmp_path, *ARGS, "--mesh.model", "3", devices=4, check=False)
     assert r.returncode != 0
     assert "mesh.model = 3 does not divide the 4 devices" in r.stdout + r.stderr
+
+
+def test_torchspmd_explain_shows_the_jobs_layouts_and_one_steps_collectives(tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import SMALL
+
+    cmd = [sys.executable, "-m", "torchspmd.cli", "explain", "--out-dir", str(tmp_path), "--mesh.devices", "4",
+           "--mesh.model", "2", *SMALL]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert out.count("Collectives of one step") == 1  # printed once, by rank 0
+    assert "model.layers.0.self_attn.q_proj.weight" in out and "colwise over 'model' (paired)" in out
+    assert "rowwise over 'model' (paired)" in out
+    # the row-parallel outputs' all-reduces over 'model' are counted with their module
+    assert "mlp.down_proj" in out and "model (size 2)" in out
+    assert "Warning" not in r.stderr
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

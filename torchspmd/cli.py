@@ -1,4 +1,5 @@
-"""The ``torchspmd`` command: ``train``, ``export``, ``generate``, ``run`` and ``info``.
+"""The ``torchspmd`` command: ``train``, ``explain``, ``export``, ``generate``, ``run``, ``info``
+and ``plan``.
 
 (``plan`` is not part of this version yet.)
 """
@@ -95,6 +96,16 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_explain(argv: list[str]) -> int:
+    """The train job's model as ``torchspmd train`` with the same options would build and
+    shard it: each parameter's layout and the collectives of one training step."""
+    from torchspmd.train import from_args, run
+
+    cfg, _ = from_args(argv)
+    run(cfg, explain=True)
+    return 0
+
+
 def cmd_export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="torchspmd export",
                                 description="Write a checkpoint as a transformers directory (safetensors + config).")
@@ -128,7 +139,7 @@ def cmd_plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "export": cmd_export, "generate": cmd_generate, "run": cmd_run, "info": cmd_info,
+COMMANDS = {"train": cmd_train, "explain": cmd_explain, "export": cmd_export, "generate": cmd_generate, "run": cmd_run, "info": cmd_info,
             "plan": cmd_plan}
 
 
@@ -138,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="torchspmd",
         description="torchspmd: SPMD sharding and FSDPv2 on PyTorch's distributed engine",
     )
-    parser.add_argument("command", choices=list(COMMANDS), help="train: the training job; export: a checkpoint as a "
-                        "transformers directory; generate: sample from a checkpoint; run: start a script once per "
+    parser.add_argument("command", choices=list(COMMANDS), help="train: the training job; explain: the train job's "
+                        "parameter layouts and the collectives of one step (train's options); export: a checkpoint "
+                        "as a transformers directory; generate: sample from a checkpoint; run: start a script once per "
                         "device; info: versions and devices; plan: predict the peak memory per device")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv[:1] or ["--help"])

@@ -14,6 +14,7 @@ the bytes of the call. Where they cannot be read, the report says so.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -341,13 +342,13 @@ def _clean_module(name: str) -> str:
 def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Collective], dict, int, list[str]]:
     import torch.distributed as dist
 
-    import warnings
-
     mode = _comm_mode_class()()
     with mode, warnings.catch_warnings():
         # CommDebugMode's module tracker puts a full backward hook on every module; torch warns
         # for each whose inputs need no gradient (the first layer's): the tracker's noise.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        # ... and warn about modules returning containers (transformers' ModelOutput)
+        warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be")
         step_fn()
     counts = {str(k): v for k, v in mode.get_comm_counts().items()}
     total = mode.get_total_counts()

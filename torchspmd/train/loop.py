@@ -246,7 +246,26 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     return p
 
 
-def run(cfg: TrainConfig) -> dict:
+def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> dict:
+    """``torchspmd explain``: the job's parameter layouts and the collectives of one
+    training step (its micro-batches, the gradient clipping, the optimizer step), printed
+    by rank 0; nothing is saved."""
+
+    def one_step():
+        with ts.step():
+            for _ in range(cfg.optim.grad_accum):
+                x, y = next(train_iter)
+                loss = F.cross_entropy(logits_of(model(x)).reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
+                loss.backward()
+            ts.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    result = ts.explain(model, one_step)
+    return {"explanation": result}
+
+
+def run(cfg: TrainConfig, explain: bool = False) -> dict:
     try:
         ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
     except SpmdError as e:
@@ -349,6 +368,8 @@ def run(cfg: TrainConfig) -> dict:
         if state.get("cuda_rng") is not None and ts.backend() == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"])
 
+    if explain:
+        return _explain_one_step(model, opt, train_iter, vocab, cfg)
     metrics = _Metrics(out, cfg.logging.tensorboard, step, rank)
     peak = _peak_flops()
     tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len
