@@ -204,6 +204,17 @@ def _errors(case):
             ts.mark_sharding(model.blocks[0].fc1.weight, mesh, ("model", None))
             ts.mark_sharding(model.blocks[0].fc2.weight, mesh, (None, "model"))
             ts.FSDPv2(model, mesh=mesh)
+        elif case == "mha_heads":  # 3 heads over 'model' of size 2
+            attn = torch.nn.MultiheadAttention(18, 3, batch_first=True)
+            ts.mark_sharding(attn.in_proj_weight, mesh, ("model", None))
+            ts.FSDPv2(attn, mesh=mesh)
+        elif case == "kv_heads":  # Llama's 2 key/value heads over 'model' of size 4
+            from torchspmd.hf.fsdp_v2 import shard_by_tp_plan
+
+            mesh = ts.Mesh(np.arange(n), (1, 4), ("fsdp", "model"))
+            llama = M.build("llama")
+            shard_by_tp_plan(llama, mesh)
+            ts.FSDPv2(llama, mesh=mesh)
         elif case == "strict":
             ts.mark_sharding(model.blocks[0].norm.weight, mesh, ("model",))
             ts.FSDPv2(model, mesh=mesh, strict_sharding=True)
@@ -224,6 +235,9 @@ def _errors(case):
     ("uneven_pair", r"'blocks.0.fc1.weight' has 25 output features, which do not split evenly over the "
                     r"'model' axis of size 2"),
     ("strict", r"'blocks.0.norm.weight' \(RMSNorm\) is annotated over 'model' but is gathered whole"),
+    ("mha_heads", r"'in_proj_weight' projects to 3 heads, which do not split over the 'model' axis of size 2"),
+    ("kv_heads", r"'model.layers.0.self_attn.k_proj.weight' projects to 2 heads, which do not split over the "
+                 r"'model' axis of size 4"),
 ])
 def test_errors_name_the_parameter_and_axis(dist, case, pattern):
     import re
