@@ -179,12 +179,17 @@ def _pattern1_layout():
     model = M.build("mlp")
     _annotate(model, mesh, "tp", "data")
     w = model.blocks[0].fc1.weight
-    return isinstance(w, torch.nn.Parameter), ts.get_sharding(w), ts.get_sharding(model.blocks[0].fc2.weight)
+    model.blocks[0].register_buffer("table", torch.randn(6, 4))
+    ts.mark_sharding(model.blocks[0].table, mesh, ("data", None))  # a buffer: in place too
+    table = model.blocks[0].table
+    return (isinstance(w, torch.nn.Parameter), ts.get_sharding(w), ts.get_sharding(model.blocks[0].fc2.weight),
+            ts.get_sharding(table), dict(model.blocks[0].named_buffers())["table"] is table)
 
 
 def test_in_place_annotation_replaces_the_module_parameter(dist):
-    for is_param, fc1, fc2 in dist(4).run(_pattern1_layout):
+    for is_param, fc1, fc2, table, registered in dist(4).run(_pattern1_layout):
         assert is_param and fc1 == ("model", None) and fc2 == (None, "model")
+        assert table == ("data", None) and registered
 
 
 def _errors(case):
