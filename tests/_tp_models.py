@@ -111,6 +111,10 @@ def build(kind: str) -> nn.Module:
         return MlpLM()
     if kind == "attn":
         return AttnLM()
+    if kind == "tied":  # the LM head is the embedding's table
+        model = MlpLM()
+        model.lm_head.weight = model.embed.weight
+        return model
     if kind == "llama":
         from transformers import LlamaForCausalLM
 

@@ -66,7 +66,7 @@ def _train(wrap, shape, style, batch, kind="mlp"):
     ts.set_global_mesh(mesh)
     model = M.build(kind)
     whole = {k: p.numel() for k, p in model.named_parameters()}
-    if kind == "mlp":
+    if kind in ("mlp", "tied"):
         _annotate(model, mesh, style, data_axis)
     elif kind == "attn":
         _annotate_attn(model, mesh)
@@ -75,7 +75,7 @@ def _train(wrap, shape, style, batch, kind="mlp"):
 
         shard_by_tp_plan(model, mesh)
     inner = model
-    layer = {"mlp": M.Block, "attn": M.AttnBlock}.get(kind) or type(model.model.layers[0])
+    layer = {"mlp": M.Block, "tied": M.Block, "attn": M.AttnBlock}.get(kind) or type(model.model.layers[0])
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer})
     if wrap == "fsdp":
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
@@ -83,7 +83,7 @@ def _train(wrap, shape, style, batch, kind="mlp"):
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy,
                           auto_wrapper_callable=lambda m, *a, **k: ts.FSDPv2(ts.checkpoint_module(m), *a, **k))
     acts = []
-    fc2 = {"mlp": lambda: inner.blocks[0].fc2, "attn": lambda: inner.blocks[0].mlp.fc2,
+    fc2 = {"mlp": lambda: inner.blocks[0].fc2, "tied": lambda: inner.blocks[0].fc2, "attn": lambda: inner.blocks[0].mlp.fc2,
            "llama": lambda: inner.model.layers[0].mlp.down_proj}[kind]()
     fc2.register_forward_pre_hook(lambda mod, args: acts.append(_local(args[0]).numel()))
     opt = torch.optim.Adam(model.parameters(), lr=M.LR, eps=M.EPS)
@@ -284,10 +284,12 @@ def test_the_gradient_of_an_input_is_one_devices(dist, annotate):
 # key/value heads (4 heads, 2 key/value heads) from its own tensor-parallel plan.
 @pytest.mark.parametrize("kind,wrap,shape,batch", [
     ("attn", "fsdp", (2, 2), 5), ("attn", "checkpoint", (1, 4), 5),
-    ("llama", "fsdp", (2, 2), 5), ("llama", "fsdp", (1, 2), 3),
+    ("llama", "fsdp", (2, 2), 5), ("llama", "fsdp", (1, 2), 3), ("tied", "fsdp", (2, 2), 5),
 ])
 def test_attention_and_llama_match_one_device(dist, kind, wrap, shape, batch):
     results = dist(math.prod(shape)).run(_train, wrap, shape, "tp", batch, kind)
+    if kind == "tied":  # one parameter, under its first name
+        assert "lm_head.weight" not in results[0]["whole"]
     _check_against_oracle(results, kind, batch)
     if wrap != "pattern1":
         fsdp, tp = shape

@@ -82,13 +82,16 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     styles: dict[nn.Module, str] = {}
     axis_of: dict[nn.Module, int] = {}
     leftovers: set = set()
+    made_whole: dict[int, nn.Parameter] = {}  # a tied parameter stays one
     for owner, params in annotated.items():
         splits = {}
         for name, p in params.items():
             split = _tp_split(p, data_dims)
             if not split:
                 # Split over the data axes only: that is FSDP's own part. FSDP2 shards it.
-                owner._parameters[name] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                if id(p) not in made_whole:
+                    made_whole[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                owner._parameters[name] = made_whole[id(p)]
             elif len(split) > 1:
                 axes = [mesh.axis_label(a) for a, _ in split]
                 raise SpmdError(
