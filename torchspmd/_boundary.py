@@ -169,7 +169,18 @@ def mark_local_output(t: torch.Tensor, device_mesh, placements) -> DTensor | Non
 
 
 def replace_marked(output: Any, marked: dict) -> Any:
-    return _map(output, lambda t: marked.get(id(t), t))
+    """``output`` with the tensors ``shard_output`` marked replaced by their global values.
+    An output object of a class of its own (not a tensor, container, named tuple, dataclass
+    or ``ModelOutput``) has its attributes replaced in place, as torch_xla's in-place
+    annotation would leave it."""
+    swap = lambda t: marked.get(id(t), t)  # noqa: E731
+    new = _map(output, swap)
+    if new is output and not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
+        for k, v in list(vars(output).items()):
+            mapped = _map(v, swap)
+            if mapped is not v:
+                setattr(output, k, mapped)
+    return new
 
 
 def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):

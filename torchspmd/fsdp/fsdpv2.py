@@ -14,6 +14,7 @@ divides by the global batch, so FSDP2 reduces with a sum (never an average).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import warnings
 from typing import Any, Callable, Iterator
@@ -175,6 +176,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
                 **options,
             )
         self._orig_module = module
+        module.register_forward_hook(_traversable_output)
         self._mesh = mesh
         self._shard_output = shard_output
         self._is_root = True
@@ -394,6 +396,20 @@ def _add_prefix_hook(state_dict, prefix, local_metadata, strict, missing_keys, u
     for key in list(state_dict.keys()):
         if key.startswith(prefix) and not key.startswith(prefix + _PREFIX):
             state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _traversable_output(module, args, output):
+    """An output object of the program's own class (Pattern 4's ``output.logits``): FSDP2
+    looks for the tensors that backward starts from only in dicts, lists, tuples and
+    dataclasses, so it would not re-gather the parameters in backward; its pre-backward
+    hook is put on the object's tensor attributes here, as FSDP2 puts it on those it finds."""
+    if isinstance(output, (torch.Tensor, dict, list, tuple)) or not hasattr(output, "__dict__") \
+            or dataclasses.is_dataclass(output):
+        return None
+    tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if tensors and torch.is_grad_enabled() and hasattr(module, "_get_fsdp_state"):
+        module._get_fsdp_state()._register_pre_backward_hook(tensors)
+    return None
 
 
 def _scalar_to_global(t: torch.Tensor, layout: BatchLayout) -> DTensor:
