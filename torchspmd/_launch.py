@@ -297,4 +297,8 @@ def relaunch_current_script(nproc: int) -> int:
                 f"`torchspmd run --nproc {nproc} script.py`, or set TORCHSPMD_NUM_DEVICES=1"
             )
         target = [os.path.abspath(path)]
+    from torchspmd import compat
+
+    if compat.active():  # the children run under the layer too
+        target = ["-m", "torchspmd.compat", *target]
     return launch(["--max-restarts=0", *target, *sys.argv[1:]], nproc)

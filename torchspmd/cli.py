@@ -46,18 +46,54 @@ def cmd_run(argv: list[str]) -> int:
 
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: torchspmd run [--nproc N] [torchrun options] script.py [args...]\n\n"
+            "usage: torchspmd run [--nproc N] [--xla-compat] [torchrun options] script.py [args...]\n\n"
             "Start script.py once per device (N processes on this host; default: every CUDA\n"
             "device, else $TORCHSPMD_NUM_DEVICES / $CPU_NUM_DEVICES, else 1). Every torchrun\n"
-            "option works (--nnodes, --rdzv-endpoint, --max-restarts, ...) for multi-host runs."
+            "option works (--nnodes, --rdzv-endpoint, --max-restarts, ...) for multi-host runs.\n"
+            "--xla-compat: run a torch_xla SPMD program unchanged (`import torch_xla` resolves\n"
+            "to torchspmd; docs/xla_compat.md)."
         )
         return 0
     nproc, rest = _pop_nproc(argv)
+    compat = "--xla-compat" in rest[:_script_index(rest) + 1]  # (an option of ours, before the program)
+    if compat:
+        rest.remove("--xla-compat")
     if nproc is None and not any(a.startswith("--nproc-per-node") or a.startswith("--nproc_per_node") for a in rest):
-        nproc = runtime._configured_local_devices(runtime._choose_backend(None))
+        import torch
+
+        # Under --xla-compat the program runs on the native engine whatever PJRT_DEVICE says.
+        backend = ("cuda" if torch.cuda.is_available() else "cpu") if compat else runtime._choose_backend(None)
+        nproc = runtime._configured_local_devices(backend)
     if not any(not a.startswith("-") for a in rest):
         raise SpmdError("torchspmd run: name the script to run, e.g. `torchspmd run --nproc 2 train.py`")
+    if compat:
+        rest = _under_compat(rest)
     return _launch.launch(rest, nproc)
+
+
+def _script_index(args: list[str]) -> int:
+    """Where the program (script or module) starts in torchrun's arguments."""
+    import contextlib
+    import io
+
+    from torch.distributed.run import get_args_parser
+
+    args = [a for a in args if a != "--xla-compat"]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = get_args_parser().parse_args(args)
+    except SystemExit:
+        return len(args)
+    return len(args) - len(parsed.training_script_args) - 1
+
+
+def _under_compat(args: list[str]) -> list[str]:
+    """torchrun's arguments starting the program as ``python -m torchspmd.compat <program>``."""
+    i = _script_index(args)
+    opts, program = args[:i], args[i:]
+    module = [o for o in opts if o in ("-m", "--module")]
+    opts = [o for o in opts if o not in ("-m", "--module")]
+    return [*opts, "-m", "torchspmd.compat", *(["-m"] if module else []), *program]
 
 
 def cmd_info(argv: list[str]) -> int:

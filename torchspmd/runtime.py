@@ -74,7 +74,11 @@ def _xla_by_environment() -> bool:
     """torch_xla's own switch: PJRT_DEVICE set, and torch_xla importable."""
     if not os.environ.get(XLA_PJRT_DEVICE):
         return False
+    from torchspmd import compat
     from torchspmd.backends import xla
+
+    if compat.active():  # the program's torch_xla is the layer: PJRT_DEVICE was meant for it
+        return False
 
     if xla.installed():
         return True

@@ -42,6 +42,11 @@ INSTALL = (
 
 
 def installed() -> bool:
+    """torch_xla can be imported (under --xla-compat, `torch_xla` is torchspmd's layer: no)."""
+    from torchspmd import compat
+
+    if compat.active():
+        return False
     return importlib.util.find_spec("torch_xla") is not None
 
 

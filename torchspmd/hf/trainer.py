@@ -567,6 +567,19 @@ def _read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
                     f"adapter_model.safetensors in it")
 
 
+def _compat_patch() -> None:
+    """Under --xla-compat, stock ``transformers.Trainer`` is this module's (see torchspmd.compat)."""
+    from torchspmd import compat
+
+    if compat.active():
+        import transformers.trainer
+
+        compat._patch_trainer_module(transformers.trainer)
+
+
+_compat_patch()
+
+
 def _sft_trainer_class():
     try:
         import trl

@@ -1,0 +1,97 @@
+"""``torch_xla`` under ``--xla-compat`` (see ``torchspmd.compat``)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from torchspmd.compat import not_provided
+from torchspmd.compat import _device, _steps
+
+__version__ = "2.9.0+torchspmd.compat"  # the torch_xla API this layer follows
+
+
+def device(index: int | None = None) -> torch.device:
+    """This process's native device (``cuda:LOCAL_RANK`` or ``cpu``); ``index`` is ignored
+    (under SPMD a program sees one device)."""
+    return _device.native()
+
+
+def devices() -> list[torch.device]:
+    return [device()]
+
+
+def device_count() -> int:
+    """Devices this program addresses as one: 1 under SPMD, as torch_xla says."""
+    return 1
+
+
+def real_devices() -> list[str]:
+    return [str(device())]
+
+
+def step():
+    """Context manager: one training step. Leaving it ends the step (closures run)."""
+    return _steps.step()
+
+
+def sync(wait: bool = False, reset_scope: bool = True) -> None:
+    """End the step: the native engine has run every operation already; closures run."""
+    _steps.end_step()
+    if wait and torch.cuda.is_available() and device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile(f=None, full_graph: bool = False, name: str | None = None, num_different_graphs_allowed=None):
+    """``torch_xla.compile(fn)``: ``fn`` runs as one step (eagerly on the native engine;
+    ``torch.compile`` is PyTorch's compiler if wanted). Usable as a decorator, with or
+    without arguments."""
+    if f is None:
+        return functools.partial(compile, full_graph=full_graph, name=name,
+                                 num_different_graphs_allowed=num_different_graphs_allowed)
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with _steps.step():
+            return f(*args, **kwargs)
+
+    return run
+
+
+def manual_seed(seed, device=None) -> None:
+    torch.manual_seed(seed)
+
+
+def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool = False):
+    from torchspmd.compat import NotProvidedError, _message
+
+    raise NotProvidedError(_message("torch_xla.launch"))
+
+
+class _XLAC:
+    """``torch_xla._XLAC``: only ``_get_xla_sharding_spec``."""
+
+    @staticmethod
+    def _get_xla_sharding_spec(t) -> str:
+        from torchspmd.compat import _hlo
+
+        return _hlo.sharding_string(t)
+
+    def __getattr__(self, name):
+        from torchspmd.compat import NotProvidedError, _message
+
+        raise NotProvidedError(_message(f"torch_xla._XLAC.{name}"))
+
+
+_XLAC = _XLAC()
+
+# As in torch_xla, `import torch_xla` makes these available as attributes.
+from torchspmd.compat.torch_xla import runtime  # noqa: E402
+from torchspmd.compat.torch_xla.core import xla_model  # noqa: E402,F401
+from torchspmd.compat.torch_xla import core, distributed, experimental, utils, debug  # noqa: E402,F401
+
+xr, xm = runtime, xla_model
+
+__getattr__ = not_provided("torch_xla")

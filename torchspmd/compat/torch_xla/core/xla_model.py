@@ -1,0 +1,165 @@
+"""``torch_xla.core.xla_model`` (``xm``) under ``--xla-compat``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchspmd.compat import not_provided
+from torchspmd.compat import _device, _steps
+from torchspmd.compat.torch_xla import runtime as _xr
+
+
+def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
+    """This process's native device."""
+    return _device.native()
+
+
+def xla_device_hw(device) -> str:
+    return _xr.device_type()
+
+
+def is_xla_tensor(tensor: torch.Tensor) -> bool:
+    """True for a tensor on this process's device (the 'xla' device here)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == _device.native().type
+
+
+def get_xla_supported_devices(devkind: str | None = None, max_devices: int | None = None) -> list[str]:
+    return [str(_device.native())]
+
+
+def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
+    """End the step: the closures queued by ``add_step_closure`` run."""
+    _steps.end_step()
+    if wait:
+        wait_device_ops()
+
+
+def add_step_closure(closure, args=(), run_async: bool = False) -> None:
+    """Run ``closure(*args)`` when the step ends (``mark_step``, leaving ``torch_xla.step()``)."""
+    _steps.add_closure(closure, args, run_async)
+
+
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None, gradients=None,
+                   pin_layout: bool = True):
+    """``optimizer.step(**optimizer_args)``. Under SPMD the gradients are those of the
+    global batch already (no reduction is needed); ``barrier=True`` also ends the step."""
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        mark_step()
+    return loss
+
+
+def wait_device_ops(devices=()) -> None:
+    if _device.native().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def get_ordinal(defval: int = 0) -> int:
+    return _xr.global_ordinal()
+
+
+def get_local_ordinal(defval: int = 0) -> int:
+    return _xr.local_ordinal()
+
+
+def world_size(defval: int = 1) -> int:
+    return _xr.world_size()
+
+
+xrt_world_size = world_size
+
+
+def is_master_ordinal(local: bool = True) -> bool:
+    """True in the process that speaks for the program (rank 0; local: rank 0 of its host).
+    A block under it runs in that process only: no collective (e.g. reading a sharded
+    tensor's value) may be inside it."""
+    ordinal = _xr.local_ordinal() if local else _xr.global_ordinal()
+    return ordinal == 0
+
+
+def master_print(*args, fd=sys.stdout, finalizer=None, **kwargs) -> None:
+    """Print once for the whole program."""
+    if is_master_ordinal(local=False):
+        print(*args, file=fd, **kwargs)
+
+
+def _gathered(data):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(data, DTensor):
+        return data.full_tensor().detach().cpu()
+    if isinstance(data, torch.Tensor):
+        return data.detach().cpu()
+    if isinstance(data, dict):
+        return type(data)((k, _gathered(v)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        out = [_gathered(v) for v in data]
+        return type(data)(out) if not hasattr(data, "_fields") else type(data)(*out)
+    return data
+
+
+def save(data, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
+    """``torch.save`` of CPU copies of whole tensors (sharded ones are gathered: every
+    process must call it). With ``master_only`` (the default) rank 0 writes."""
+    from torchspmd.fsdp.utils import quiet_gathers
+
+    with quiet_gathers():
+        cpu = _gathered(data)
+    if not master_only or (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        torch.save(cpu, file_or_path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class RateTracker:
+    """Items per second, smoothed (torch_xla's ``RateTracker``)."""
+
+    def __init__(self, smooth_factor: float | None = None):
+        if smooth_factor is None:
+            smooth_factor = float(os.environ.get("RATE_TRACKER_SMOOTHING", "0.4"))
+        self._smooth_factor = smooth_factor
+        self._start_time = time.time()
+        self._partial_time = self._start_time
+        self._partial_count = 0.0
+        self._partial_rate: float | None = None
+        self._count = 0.0
+
+    def _update(self, now: float, rate: float) -> None:
+        self._partial_count += self._count
+        self._count = 0.0
+        self._partial_time = now
+        self._partial_rate = rate
+
+    def add(self, count: float) -> None:
+        self._count += count
+
+    def _smooth(self, current_rate: float) -> float:
+        if self._partial_rate is None:
+            return current_rate
+        return current_rate * (1.0 - self._smooth_factor) + self._partial_rate * self._smooth_factor
+
+    def rate(self) -> float:
+        now = time.time()
+        delta = now - self._partial_time
+        report_rate = 0.0
+        if delta > 0:
+            report_rate = self._smooth(self._count / delta)
+            self._update(now, report_rate)
+        return report_rate
+
+    def global_rate(self) -> float:
+        delta = time.time() - self._start_time
+        count = self._partial_count + self._count
+        return count / delta if delta > 0 else 0.0
+
+
+def unlazy(tensors) -> None:
+    """Nothing to do: the native engine's tensors are computed when issued."""
+
+
+__getattr__ = not_provided("torch_xla.core.xla_model")

@@ -1,0 +1,19 @@
+"""``torch_xla.distributed.spmd`` (``xs``) under ``--xla-compat``: torchspmd's meshes and
+annotations. ``mark_sharding`` annotates a parameter or buffer in place (and returns the
+sharded tensor: a DTensor on the native engine, where torch_xla returns an
+``XLAShardedTensor``)."""
+
+from torchspmd import (  # noqa: F401
+    HybridMesh,
+    Mesh,
+    ShardingSpec,
+    clear_sharding,
+    get_1d_mesh,
+    get_global_mesh,
+    mark_sharding,
+    set_global_mesh,
+)
+from torchspmd.compat import not_provided
+from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
+
+__getattr__ = not_provided("torch_xla.distributed.spmd")

@@ -1,0 +1,152 @@
+"""``torch_xla.experimental.distributed_checkpoint`` under ``--xla-compat``, on
+``torch.distributed.checkpoint`` (DCP).
+
+``SPMDSavePlanner`` / ``SPMDLoadPlanner`` are DCP's default planners (a state dict of
+DTensors is what DCP shards natively). ``CheckpointManager`` keeps numbered checkpoints
+under ``path``: each is written as ``.<step>.tmp`` and renamed to ``<step>`` once every
+process has written its shards, so a failed save never damages an earlier checkpoint;
+``save_async`` saves before returning (the native engine has no device-to-host queue to
+overlap with). Preemption detection is TPU-only: ``reached_preemption`` is False."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+from torchspmd._errors import SpmdError
+from torchspmd.compat import not_provided
+
+
+class SPMDSavePlanner(DefaultSavePlanner):
+    """DCP's save planner (sharded tensors are DTensors here)."""
+
+
+class SPMDLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner: values are loaded into the state dict's tensors in place,
+    resharded to their layouts."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Numbered DCP checkpoints under ``path``, one every ``save_interval`` steps, the
+    newest ``max_to_keep`` kept (0: all)."""
+
+    def __init__(self, path: str, save_interval: int, max_to_keep: int | None = 0,
+                 max_pending_async: int | None = 1, num_of_threads: int | None = 1, process_group=None,
+                 chkpt_on_preemption: bool = True):
+        if not isinstance(save_interval, int) or save_interval < 1:
+            raise SpmdError(f"CheckpointManager(save_interval={save_interval!r}): give a positive number of steps")
+        self.base_path = os.fspath(path)
+        self.save_interval = save_interval
+        self.max_to_keep = max_to_keep or 0
+        self.process_group = process_group
+        self.chkpt_on_preemption = chkpt_on_preemption
+        if _rank() == 0:
+            os.makedirs(self.base_path, exist_ok=True)
+            for name in os.listdir(self.base_path):  # what an interrupted save left
+                if name.startswith(".") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(self.base_path, name), ignore_errors=True)
+        _barrier()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.base_path, str(step))
+
+    def all_steps(self) -> list[int]:
+        steps = []
+        for name in os.listdir(self.base_path):
+            if name.isdigit() and os.path.isfile(os.path.join(self.base_path, name, ".metadata")):
+                steps.append(int(name))
+        return sorted(steps)
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+    def _save(self, step: int, state_dict) -> None:
+        final = self._path(step)
+        tmp = os.path.join(self.base_path, f".{step}.tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                     planner=SPMDSavePlanner(), process_group=self.process_group)
+        if _rank() == 0:
+            _sync_dir(tmp)
+            old = None
+            if os.path.exists(final):
+                old = os.path.join(self.base_path, f".{step}.replaced.tmp")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _sync_dir(self.base_path)
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+            if self.max_to_keep > 0:
+                for s in self.all_steps()[:-self.max_to_keep]:
+                    shutil.rmtree(self._path(s), ignore_errors=True)
+        _barrier()
+
+    def save(self, step: int, state_dict, force: bool | None = False) -> bool:
+        if self.should_save(step) or force:
+            self._save(step, state_dict)
+            return True
+        return False
+
+    def save_async(self, step: int, state_dict, force: bool | None = False) -> bool:
+        """As ``save`` (the checkpoint is complete when it returns)."""
+        return self.save(step, state_dict, force)
+
+    def restore(self, step: int, state_dict) -> None:
+        path = self._path(step)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            have = self.all_steps()
+            raise SpmdError(f"CheckpointManager.restore(step={step}): no complete checkpoint at {path}; "
+                            f"steps saved: {have or 'none'}")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner(),
+                     process_group=self.process_group)
+
+    def join(self) -> None:
+        """Nothing pending: saves complete before returning."""
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Create the optimizer's state (as torch_xla does: one step with zero gradients), so that
+    ``optimizer.state_dict()`` has the tensors a restore loads into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+__getattr__ = not_provided("torch_xla.experimental.distributed_checkpoint")
