@@ -1,0 +1,241 @@
+"""``--xla-compat``: torch_xla SPMD programs, unchanged, on the native engine.
+
+The seed document's Patterns 1-4 and optimum-tpu's fsdp_v2 program (tests/xla_compat/,
+their lines copied verbatim) run under ``torchspmd run --xla-compat`` on 2 and 4 CPU
+processes and must give the losses of the same training in plain PyTorch (the stock
+transformers / trl trainer for the optimum program) on one device, in a process that never
+imports torchspmd (tests/xla_compat/oracle.py). fp32, rtol 1e-5."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _helpers import ROOT, clean_env
+
+HERE = ROOT / "tests" / "xla_compat"
+SEEDS = ROOT.parent / "shared" / "seeds"
+RTOL = 1e-5
+TIMEOUT = 600
+
+
+def _losses(stdout: str) -> list[float]:
+    lines = [l for l in stdout.splitlines() if l.startswith("LOSSES ")]
+    assert len(lines) == 1, f"expected one LOSSES line (printed once for the program), got {len(lines)}:\n{stdout}"
+    return json.loads(lines[0][len("LOSSES "):])
+
+
+def _params(stdout: str) -> dict:
+    return json.loads(next(l for l in stdout.splitlines() if l.startswith("PARAMS "))[len("PARAMS "):])
+
+
+def _compat(program, world, *args, cwd=None, **env):
+    r = subprocess.run([str(ROOT / ".venv" / "bin" / "torchspmd") if (ROOT / ".venv" / "bin" / "torchspmd").exists()
+                        else "torchspmd", "run", "--xla-compat", "--nproc", str(world), str(program), *map(str, args)],
+                       capture_output=True, text=True, env=clean_env(OMP_NUM_THREADS=1, **env), timeout=TIMEOUT,
+                       cwd=cwd or HERE)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def _oracle(*args):
+    r = subprocess.run([sys.executable, str(HERE / "oracle.py"), *map(str, args)], capture_output=True, text=True,
+                       env=clean_env(OMP_NUM_THREADS=2), timeout=TIMEOUT, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return _losses(r.stdout)
+
+
+_ORACLES: dict = {}
+
+
+def _oracle_once(*args):
+    if args not in _ORACLES:
+        _ORACLES[args] = _oracle(*args)
+    return _ORACLES[args]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("program", ["pattern1", "pattern3", "pattern4"])
+def test_seed_patterns_give_one_devices_losses(program, world):
+    out = _compat(HERE / f"{program}.py", world)
+    expected = _oracle_once(program)
+    got = _losses(out)
+    assert got == pytest.approx(expected, rel=RTOL), (got, expected)
+    if program != "pattern1":  # FSDPv2: each process keeps a part of the parameters
+        p = _params(out)
+        assert p["types"] == ["DTensor"] and p["local"] < p["total"] / world * 1.5, p
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_seed_pattern2_full_example_gives_one_devices_losses(world):
+    out = _compat(HERE / "pattern2.py", world)
+    first, last = _oracle_once("pattern2")
+    printed = re.findall(r"Step 0, Loss: ([0-9.]+)", out)
+    assert printed == [f"{first:.4f}"], (printed, first)  # the program's own line, printed once
+    assert _losses(out) == pytest.approx([last], rel=RTOL)
+    p = _params(out)
+    assert p["types"] == ["DTensor"] and p["local"] < p["total"] / world * 1.5, p
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The tiny Llama under the program's model name, made once (the programs' processes
+    would race to write it)."""
+    home = tmp_path_factory.mktemp("hf_home")
+    r = subprocess.run([sys.executable, "-c", f"import _setup; _setup.local_hub({str(home)!r})"], cwd=HERE,
+                       env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return home
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimum_tpu_program_trains_sharded_like_the_stock_trainer(hub, tmp_path, world):
+    out = _compat(HERE / "optimum_fsdp_v2.py", world, hub, tmp_path / "out")
+    assert _losses(out) == pytest.approx(_oracle_once("optimum", hub, tmp_path.parent / "oracle"), rel=RTOL)
+    p = _params(out)
+    assert p["types"] == ["DTensor"] and p["local"] < p["total"] / world * 1.5, p
+
+
+def test_optimum_tpu_program_with_sft_trainer(hub, tmp_path):
+    """The block's own alternative, as its comments say: trl's SFTTrainer."""
+    text = (HERE / "optimum_fsdp_v2.py").read_text()
+    text = text.replace("# from trl import SFTTrainer", "from trl import SFTTrainer", 1)
+    text = text.replace("trainer = Trainer(  # or SFTTrainer", "trainer = SFTTrainer(", 1)
+    text = text.replace("    data_collator=data_collator,\n", "", 1)  # SFTTrainer brings its own
+    assert "from trl import SFTTrainer\n" in text and "trainer = SFTTrainer(" in text
+    program = HERE / f"_sft_{tmp_path.name}.py"
+    program.write_text(text)
+    try:
+        out = _compat(program, 2, hub, tmp_path / "out")
+    finally:
+        program.unlink()
+    assert _losses(out) == pytest.approx(_oracle_once("optimum", hub, tmp_path.parent / "oracle_sft", "sft"),
+                                         rel=RTOL)
+    assert _params(out)["types"] == ["DTensor"]
+
+
+def _verbatim(path: Path) -> list[str]:
+    return re.findall(r"# ---- VERBATIM: [^\n]*\n(.*?)# ---- END VERBATIM ----", path.read_text(), re.S)
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="the seed documents are beside the project, not in a clone of it")
+def test_the_programs_lines_are_the_seeds_lines():
+    xla_doc = next(SEEDS.glob("000_*.txt")).read_text()
+    optimum_doc = next(SEEDS.glob("002_*.txt")).read_text()
+    for name in ("pattern1", "pattern2", "pattern3", "pattern4"):
+        (block,) = _verbatim(HERE / f"{name}.py")
+        assert "```python\n" + block + "```" in xla_doc, name
+    basic, trainer = _verbatim(HERE / "optimum_fsdp_v2.py")
+    assert basic in optimum_doc
+    assert trainer.replace("    data_collator=data_collator,\n", "    ...\n") in optimum_doc
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    _compat(HERE / "api_checks.py", 4, d / "out.json", d / "ck")
+    return json.loads((d / "out.json").read_text())
+
+
+def test_counts_and_devices_are_torch_xlas_spmd_view(api):
+    assert api["counts"] == dict(global_runtime=4, world_size=1, global_device_count=1, process_count=4,
+                                 device_type="CPU", is_spmd=True)
+    assert api["device"] == "cpu" and api["xla_device"] == ["cpu"] * 6
+    assert api["autocast_dtype"] == "torch.bfloat16"
+
+
+def test_steps_run_closures_after_the_step(api):
+    assert api["closures"] == [["in step", 0], ["closure", 1], ["after step", 0], ["mark_step", 2]]
+    assert api["rate"] and api["samples"] == 3
+    assert "Steps ended: 2" in api["metrics"] and api["counter_names"] == []
+
+
+def test_sharding_strings_follow_xlas_text(api):
+    """The layer's strings on 4 processes are those of the XLA text for each case; the same
+    cases are checked against torch_xla itself in tests/xla/test_xla_compat_hlo.py."""
+    import importlib.util
+
+    import numpy as np
+
+    from torchspmd.compat import _hlo
+
+    spec = importlib.util.spec_from_file_location("sharding_cases", HERE / "sharding_cases.py")
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    want = [_hlo.from_partition_spec(np.array(ids).reshape(shape), names, pspec)
+            for shape, names, ids, _, pspec in cases.CASES]
+    assert api["strings"] == want
+    assert api["plain_spec"] == ""
+    assert api["fsdp_param_specs"] == ["{devices=[4,1]0,1,2,3}", "{devices=[4]0,1,2,3}"]
+    assert api["in_place"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+
+
+def test_checkpoints_saves_and_profiler(api):
+    assert api["saved"] == [False, True, False, True, False, True, False]
+    assert api["steps"] == [4, 6] and api["restored_ok"] and api["xm_save_ok"]
+    assert api["trace_files"] >= 1
+
+
+def test_libraries_are_not_misled_and_trainers_are_torchspmds(api):
+    assert api["transformers_probe"] is False and api["accelerate_probe"] is False
+    assert api["trainer_is_ours"] and api["sft_is_ours"]
+
+
+EQUIVALENT = {
+    "xmp.spawn": "torchspmd run --xla-compat --nproc N",
+    "torch_xla.launch": "torchspmd run --xla-compat --nproc N",
+    "xm.all_reduce": "torch.distributed.all_reduce",
+    "from xm import all_gather": "torch.distributed.all_gather",
+    "xla_backend": "torch.distributed",
+    "ParallelLoader": "MpDeviceLoader",
+    "XlaFullyShardedDataParallel": "SpmdFullyShardedDataParallel",
+    "mark_sharding_with_gradients": "torch_xla.distributed.spmd.mark_sharding",
+    "syncfree": "torch.optim",
+    "use_spmd(auto=True)": "xs.mark_sharding",
+    "_XLAC._xla_get_default_device": None,
+    "profiler.trace": "start_trace",
+}
+
+
+@pytest.mark.parametrize("api_name", sorted(EQUIVALENT))
+def test_each_unprovided_api_names_itself_and_its_equivalent(api, api_name):
+    kind, is_import_error, text = api["errors"][api_name]
+    assert is_import_error and "is not provided under --xla-compat" in text, text
+    assert kind in ("NotProvidedError", "ModuleNotFoundError")
+    if EQUIVALENT[api_name]:
+        assert EQUIVALENT[api_name] in text, text
+    assert api["private_is_attribute_error"]
+
+
+def test_without_the_switch_nothing_changes():
+    code = (
+        "import sys, torch\n"
+        "before = (list(sys.meta_path), torch.Tensor.to, torch.zeros)\n"
+        "import torchspmd, torchspmd.compat\n"
+        "assert (list(sys.meta_path), torch.Tensor.to, torch.zeros) == before\n"
+        "assert not torchspmd.compat.active()\n"
+        "import transformers.utils\n"
+        "assert transformers.utils.is_torch_xla_available() is False\n"
+        "try:\n"
+        "    import torch_xla\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('absent', e.name)\n"
+        "try:\n"
+        "    from optimum.tpu import fsdp_v2\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('absent', e.name)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[:2] == ["absent torch_xla", "absent optimum"]
+
+
+def test_python_m_form_and_a_single_process(tmp_path):
+    """``python -m torchspmd.compat script.py`` (what torchrun ``-m torchspmd.compat`` runs),
+    one process: Pattern 1 with one device's losses."""
+    r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(HERE / "pattern1.py")], capture_output=True,
+                       text=True, env=clean_env(OMP_NUM_THREADS=2), timeout=TIMEOUT, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(r.stdout) == pytest.approx(_oracle_once("pattern1"), rel=RTOL)

@@ -1,0 +1,48 @@
+"""``--xla-compat`` against torch_xla itself (this environment has it): the layer's HLO
+sharding text (``torchspmd.compat._hlo``, what ``torch_xla._XLAC._get_xla_sharding_spec``
+returns under the switch) equals torch_xla's own for the cases of
+tests/xla_compat/sharding_cases.py; and with torch_xla installed, the switch says that it
+shadows it."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+torch_xla = pytest.importorskip("torch_xla")
+import torch_xla.distributed.spmd as xs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cases():
+    spec = importlib.util.spec_from_file_location("sharding_cases", ROOT / "tests" / "xla_compat" / "sharding_cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.CASES
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}{c[1]}{c[2]}{c[4]}")
+def test_layer_text_equals_torch_xlas(ts, case):
+    from torchspmd.compat import _hlo
+
+    shape, names, ids, tshape, spec = case
+    mesh = xs.Mesh(np.array(ids), shape, names)
+    t = torch.randn(*tshape).to(torch_xla.device())
+    xs.mark_sharding(t, mesh, spec)
+    theirs = torch_xla._XLAC._get_xla_sharding_spec(t)
+    assert _hlo.from_partition_spec(np.array(ids).reshape(shape), names, spec) == theirs
+
+
+def test_the_switch_says_it_shadows_an_installed_torch_xla(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text("import torch_xla, torch_xla.runtime as xr\nprint(torch_xla.__version__, xr.world_size())\n")
+    r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(script)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["2.9.0+torchspmd.compat", "1"]
+    assert "torch_xla is installed" in r.stderr and "is shadowed" in r.stderr

@@ -1,0 +1,156 @@
+"""Checks of the --xla-compat layer's names, run by tests/test_xla_compat.py as a torch_xla
+program (``python -m torchspmd.compat api_checks.py OUT_JSON``, 1 or 4 processes). Writes
+what it saw as JSON; the test asserts on it."""
+
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+import sharding_cases
+
+out = {}
+xr.use_spmd()
+n = xr.global_runtime_device_count()
+out["counts"] = dict(global_runtime=n, world_size=xr.world_size(), global_device_count=xr.global_device_count(),
+                     process_count=xr.process_count(), device_type=xr.device_type(), is_spmd=xr.is_spmd())
+out["device"] = str(torch_xla.device())
+
+# The 'xla' device
+lin = nn.Linear(3, 2).to("xla")
+out["xla_device"] = [str(torch.zeros(2, device="xla").device), str(torch.ones(1).to("xla").device),
+                     str(torch.randn(2, device=torch.device("xla")).device), str(lin.weight.device),
+                     str(torch.zeros(1).new_zeros(2, device="xla").device), str(xm.xla_device())]
+with torch.autocast("xla", dtype=torch.bfloat16):
+    out["autocast_dtype"] = str(lin(torch.randn(4, 3)).dtype)
+
+# Steps and closures
+order = []
+with torch_xla.step():
+    xm.add_step_closure(lambda v: order.append(("closure", v)), args=(1,))
+    order.append(("in step", 0))
+order.append(("after step", 0))
+xm.add_step_closure(lambda: order.append(("mark_step", 2)))
+xm.mark_step()
+out["closures"] = order
+tracker = xm.RateTracker()
+tracker.add(10)
+out["rate"] = tracker.rate() > 0 and tracker.global_rate() > 0
+
+from torch_xla.utils.utils import SampleGenerator  # noqa: E402
+
+out["samples"] = len(list(SampleGenerator(torch.ones(2), 3)))
+import torch_xla.debug.metrics as met  # noqa: E402
+
+out["metrics"] = met.metrics_report()
+out["counter_names"] = met.counter_names()
+
+# Sharding strings: annotations and FSDPv2's parameters
+plain = torch.randn(3)
+out["plain_spec"] = torch_xla._XLAC._get_xla_sharding_spec(plain)
+strings = []
+if n == 4:
+    for shape, names, ids, tshape, spec in sharding_cases.CASES:
+        mesh = xs.Mesh(np.array(ids), shape, names)
+        t = xs.mark_sharding(torch.randn(*tshape), mesh, spec)
+        strings.append(torch_xla._XLAC._get_xla_sharding_spec(t))
+    mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    fsdp = FSDPv2(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4)), mesh)
+    out["fsdp_param_specs"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(p) for p in fsdp.parameters()})
+    owner = nn.Linear(6, 8)
+    xs.mark_sharding(owner.weight, xs.Mesh(np.arange(n), (2, 2), ("fsdp", "model")), ("model", None))
+    out["in_place"] = torch_xla._XLAC._get_xla_sharding_spec(owner.weight)
+out["strings"] = strings
+
+# Checkpoints (torch_xla.experimental.distributed_checkpoint on DCP)
+from torch_xla.experimental import distributed_checkpoint as xc  # noqa: E402
+
+d = sys.argv[2]
+model = nn.Linear(4, 3)
+opt = torch.optim.Adam(model.parameters())
+xc.prime_optimizer(opt)
+mgr = xc.CheckpointManager(d, save_interval=2, max_to_keep=2)
+saved = []
+for step in range(1, 8):
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    saved.append(mgr.save(step, {"model": model.state_dict()}))
+out["saved"] = saved
+out["steps"] = mgr.all_steps()
+restored = {"model": nn.Linear(4, 3).state_dict()}
+mgr.restore(4, restored)
+out["restored_ok"] = bool(torch.allclose(restored["model"]["weight"], model.weight - 3.0))
+xm.save(model.state_dict(), os.path.join(d, "xm.pt"))
+out["xm_save_ok"] = bool(torch.equal(torch.load(os.path.join(d, "xm.pt"))["weight"], model.weight.detach()))
+
+# Profiler on torch.profiler
+import torch_xla.debug.profiler as xp  # noqa: E402
+
+server = xp.start_server(9012)
+trace_dir = os.path.join(d, "trace")
+xp.start_trace(trace_dir)
+with xp.Trace("region"):
+    torch.randn(4).sum()
+xp.stop_trace()
+out["trace_files"] = len(os.listdir(trace_dir)) if os.path.isdir(trace_dir) else 0
+
+# Libraries that probe for torch_xla are not misled
+import accelerate.utils  # noqa: E402
+import transformers  # noqa: E402
+import transformers.utils  # noqa: E402
+
+stock = transformers.Trainer  # as a program reaches it
+import torchspmd.hf.trainer as hf_trainer  # noqa: E402
+
+out["transformers_probe"] = transformers.utils.is_torch_xla_available()
+out["accelerate_probe"] = accelerate.utils.is_torch_xla_available()
+out["trainer_is_ours"] = issubclass(stock, hf_trainer.Trainer)
+import trl  # noqa: E402
+
+out["sft_is_ours"] = issubclass(trl.SFTTrainer, hf_trainer.Trainer)
+
+# APIs the layer does not provide
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return [type(e).__name__, isinstance(e, ImportError), str(e)]
+    return None
+
+
+def from_import(module, name):
+    return lambda: getattr(importlib.import_module(module), name)
+
+
+out["errors"] = {
+    "xmp.spawn": error_of(lambda: importlib.import_module("torch_xla.distributed.xla_multiprocessing").spawn(print)),
+    "torch_xla.launch": error_of(lambda: torch_xla.launch(print)),
+    "xm.all_reduce": error_of(lambda: xm.all_reduce("sum", [torch.ones(1)])),
+    "from xm import all_gather": error_of(lambda: exec("from torch_xla.core.xla_model import all_gather", {})),
+    "xla_backend": error_of(lambda: importlib.import_module("torch_xla.distributed.xla_backend")),
+    "ParallelLoader": error_of(from_import("torch_xla.distributed.parallel_loader", "ParallelLoader")),
+    "XlaFullyShardedDataParallel": error_of(from_import("torch_xla.distributed.fsdp", "XlaFullyShardedDataParallel")),
+    "mark_sharding_with_gradients": error_of(from_import("torch_xla.distributed.spmd",
+                                                         "mark_sharding_with_gradients")),
+    "syncfree": error_of(lambda: importlib.import_module("torch_xla.amp.syncfree")),
+    "use_spmd(auto=True)": error_of(lambda: xr.use_spmd(auto=True)),
+    "_XLAC._xla_get_default_device": error_of(lambda: torch_xla._XLAC._xla_get_default_device()),
+    "profiler.trace": error_of(lambda: xp.trace("localhost:9012", d)),
+}
+out["private_is_attribute_error"] = not hasattr(xm, "_no_such_private_name")
+
+if xr.process_index() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
