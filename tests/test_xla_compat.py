@@ -142,7 +142,8 @@ def api(tmp_path_factory):
 def test_counts_and_devices_are_torch_xlas_spmd_view(api):
     assert api["counts"] == dict(global_runtime=4, world_size=1, global_device_count=1, process_count=4,
                                  device_type="CPU", is_spmd=True)
-    assert api["device"] == "cpu" and api["xla_device"] == ["cpu"] * 6
+    assert api["device"] == "cpu" and api["xla_device"] == ["cpu"] * 7
+    assert api["meta_context"] == ["meta"] * 3
     assert api["autocast_dtype"] == "torch.bfloat16"
 
 

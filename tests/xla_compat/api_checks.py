@@ -31,6 +31,9 @@ lin = nn.Linear(3, 2).to("xla")
 out["xla_device"] = [str(torch.zeros(2, device="xla").device), str(torch.ones(1).to("xla").device),
                      str(torch.randn(2, device=torch.device("xla")).device), str(lin.weight.device),
                      str(torch.zeros(1).new_zeros(2, device="xla").device), str(xm.xla_device())]
+out["xla_device"].append(str(torch.tensor([1.0], device="xla").device))
+with torch.device("meta"):  # torch's device context still reaches the (wrapped) factories
+    out["meta_context"] = [str(torch.zeros(2).device), str(torch.tensor([1.0]).device), str(nn.Linear(2, 2).weight.device)]
 with torch.autocast("xla", dtype=torch.bfloat16):
     out["autocast_dtype"] = str(lin(torch.randn(4, 3)).dtype)
 

@@ -4,7 +4,7 @@
 The calls that take a device are wrapped so that ``'xla'``, ``'xla:N'`` and
 ``torch.device('xla')`` mean ``torchspmd.device()`` (``cuda:LOCAL_RANK`` or ``cpu``):
 ``Tensor.to`` (and so ``Module.to``), ``Tensor.new_*``, every ``torch.*`` factory with a
-``device`` argument except ``torch.tensor`` (see ``_factories``), and ``torch.autocast('xla')``. A
+``device`` argument, and ``torch.autocast('xla')``. A
 ``torch.device('xla')`` object itself keeps its type: compare devices by the tensors'
 own ``.device``.
 """
@@ -79,10 +79,7 @@ def _factories() -> list[str]:
         if "device (:class:`torch.device`" in doc or "device=None" in doc:
             names.append(name)
     names += [n for n in ("normal", "scalar_tensor") if hasattr(torch, n)]
-    # Not torch.tensor: with it wrapped, a transformers Trainer run on 2 processes gave other
-    # losses than without, varying from run to run (cause not found; tests/test_xla_compat.py
-    # runs that program). torch.tensor(..., device='xla') is therefore PyTorch's error.
-    return sorted(set(names) - {"tensor"})
+    return sorted(set(names))
 
 
 class _Autocast(torch.amp.autocast):
@@ -95,6 +92,16 @@ class _Autocast(torch.amp.autocast):
 def install() -> None:
     if _INSTALLED:
         return
+    # torch.device('meta') as a context manager (and set_default_device) gives a device to
+    # the factories found in a set of functions that torch builds once, when first asked, from
+    # the torch.* attributes: built after the wrapping it would hold the wrappers, never the
+    # functions the mode is called with, and factories would ignore the context (transformers
+    # then initializes a model's non-persistent buffers on meta and loads them as garbage).
+    # Build it now, from torch's own functions.
+    from torch.utils import _device as torch_device
+
+    if hasattr(torch_device, "_device_constructors"):
+        torch_device._device_constructors()
     torch.Tensor.to = _wrap_to(torch.Tensor.to)
     for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided"):
         setattr(torch.Tensor, name, _wrap_device_kwarg(getattr(torch.Tensor, name)))
