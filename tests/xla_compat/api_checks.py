@@ -112,12 +112,13 @@ import accelerate.utils  # noqa: E402
 import transformers  # noqa: E402
 import transformers.utils  # noqa: E402
 
-stock = transformers.Trainer  # as a program reaches it
 import torchspmd.hf.trainer as hf_trainer  # noqa: E402
+
+stock = getattr(importlib.import_module("transformers.trainer"), "Trainer")
 
 out["transformers_probe"] = transformers.utils.is_torch_xla_available()
 out["accelerate_probe"] = accelerate.utils.is_torch_xla_available()
-out["trainer_is_ours"] = issubclass(stock, hf_trainer.Trainer)
+out["trainer_is_ours"] = issubclass(stock, hf_trainer.Trainer) and issubclass(transformers.Trainer, hf_trainer.Trainer)
 import trl  # noqa: E402
 
 out["sft_is_ours"] = issubclass(trl.SFTTrainer, hf_trainer.Trainer)

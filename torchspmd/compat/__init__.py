@@ -180,8 +180,8 @@ def _patch_trainer_module(module) -> None:
         return
     module.Trainer = ours.Trainer
     top = sys.modules.get("transformers")
-    if top is not None:  # transformers' lazy module caches what it resolved: the attribute is set too
-        setattr(top, "Trainer", ours.Trainer)
+    if top is not None and top.__dict__.get("Trainer") is original:  # resolved and kept by the lazy module
+        top.Trainer = ours.Trainer
     for sub in list(original.__subclasses__()):  # defined before the patch (none in the usual order)
         if sub is not ours.Trainer:
             sub.__bases__ = tuple(ours.Trainer if b is original else b for b in sub.__bases__)

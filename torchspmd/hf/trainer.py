@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 import transformers
+from transformers.trainer import Trainer as _StockTrainer  # (not transformers.Trainer: see _compat_patch)
 from transformers.trainer_pt_utils import get_module_class_from_name
 
 from torchspmd import runtime
@@ -158,7 +159,7 @@ def _gather_global(data: Any, *args, **kwargs) -> Any:
 
 
 # -- the trainer -------------------------------------------------------------------------
-class Trainer(transformers.Trainer):
+class Trainer(_StockTrainer):
     """``transformers.Trainer`` training with torchspmd FSDPv2 when the training arguments
     carry the FSDPv2 config (``get_fsdp_training_args``); see the module's docstring."""
 
@@ -568,7 +569,10 @@ def _read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _compat_patch() -> None:
-    """Under --xla-compat, stock ``transformers.Trainer`` is this module's (see torchspmd.compat)."""
+    """Under --xla-compat, stock ``transformers.Trainer`` is this module's (see torchspmd.compat).
+    The stock class is imported above from ``transformers.trainer``, not read as
+    ``transformers.Trainer``: that would make transformers' lazy module keep the stock class
+    as its attribute before the patch."""
     from torchspmd import compat
 
     if compat.active():
