@@ -149,8 +149,10 @@ def test_counts_and_devices_are_torch_xlas_spmd_view(api):
 
 def test_steps_run_closures_after_the_step(api):
     assert api["closures"] == [["in step", 0], ["closure", 1], ["after step", 0], ["mark_step", 2]]
+    # step(), mark_step(), then compile(fn) (one step), optimizer_step(barrier=True) and sync()
+    assert api["optimizer_step_ok"] and api["steps_after_compile_sync"] == 5
     assert api["rate"] and api["samples"] == 3
-    assert "Steps ended: 2" in api["metrics"] and api["counter_names"] == []
+    assert "Steps ended: 5" in api["metrics"] and api["counter_names"] == []
 
 
 def test_sharding_strings_follow_xlas_text(api):
@@ -233,10 +235,13 @@ def test_without_the_switch_nothing_changes():
     assert r.stdout.split("\n")[:2] == ["absent torch_xla", "absent optimum"]
 
 
-def test_python_m_form_and_a_single_process(tmp_path):
-    """``python -m torchspmd.compat script.py`` (what torchrun ``-m torchspmd.compat`` runs),
-    one process: Pattern 1 with one device's losses."""
+@pytest.mark.parametrize("devices", [1, 2])
+def test_python_m_form(tmp_path, devices):
+    """``python -m torchspmd.compat script.py`` (what torchrun ``-m torchspmd.compat`` runs): one
+    process, or with CPU_NUM_DEVICES=2 the program started again once per device, under the
+    layer too (torch_xla's own way to say how many devices): Pattern 1, one device's losses."""
+    env = clean_env(OMP_NUM_THREADS=1, **({"CPU_NUM_DEVICES": devices} if devices > 1 else {}))
     r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(HERE / "pattern1.py")], capture_output=True,
-                       text=True, env=clean_env(OMP_NUM_THREADS=2), timeout=TIMEOUT, cwd=tmp_path)
+                       text=True, env=env, timeout=TIMEOUT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(r.stdout) == pytest.approx(_oracle_once("pattern1"), rel=RTOL)

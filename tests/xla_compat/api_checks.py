@@ -46,6 +46,19 @@ order.append(("after step", 0))
 xm.add_step_closure(lambda: order.append(("mark_step", 2)))
 xm.mark_step()
 out["closures"] = order
+# torch_xla.compile, sync, optimizer_step: steps end, the update is the optimizer's
+lin2 = nn.Linear(3, 1)
+opt2 = torch.optim.SGD(lin2.parameters(), lr=0.1)
+before = lin2.weight.detach().clone()
+step_fn = torch_xla.compile(lambda x: lin2(x).sum().backward())
+step_fn(torch.ones(2, 3))
+grad = lin2.weight.grad.detach().clone()
+xm.optimizer_step(opt2, barrier=True)
+torch_xla.sync()
+out["optimizer_step_ok"] = bool(torch.allclose(lin2.weight, before - 0.1 * grad))
+import torchspmd  # noqa: E402  (only to read the step counter the layer advances)
+
+out["steps_after_compile_sync"] = torchspmd.current_step()
 tracker = xm.RateTracker()
 tracker.add(10)
 out["rate"] = tracker.rate() > 0 and tracker.global_rate() > 0
