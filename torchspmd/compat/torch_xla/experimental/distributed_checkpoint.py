@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from torchspmd._errors import SpmdError
+from torchspmd.checkpoint import _barrier, _fsync_dir, _rank
 from torchspmd.compat import not_provided
 
 
@@ -32,21 +33,8 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
     resharded to their layouts."""
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(Path(path))
 
 
 class CheckpointManager:
