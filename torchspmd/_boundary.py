@@ -33,24 +33,27 @@ class BatchLayout:
     local_start: int
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None = None) -> Any:
+    """``obj`` with ``fn`` applied to its tensors, through dicts (``ModelOutput`` too),
+    named tuples, dataclasses, lists and tuples; ``other``, when given, sees every other
+    leaf (and returns what replaces it)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
         if type(obj) is dict:
-            return {k: _map(v, fn) for k, v in obj.items()}
+            return {k: _map(v, fn, other) for k, v in obj.items()}
         new = copy.copy(obj)  # OrderedDict, transformers' ModelOutput: keep the class
         for k, v in obj.items():
-            new[k] = _map(v, fn)
+            new[k] = _map(v, fn, other)
         return new
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(v, fn) for v in obj))
+        return type(obj)(*(_map(v, fn, other) for v in obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)
+        return dataclasses.replace(obj, **{f.name: _map(getattr(obj, f.name), fn, other) for f in dataclasses.fields(obj)
                                            if f.init})
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
+        return type(obj)(_map(v, fn, other) for v in obj)
+    return other(obj) if other is not None else obj
 
 
 def _walk(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:

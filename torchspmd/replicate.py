@@ -3,23 +3,35 @@
 The module computes on each process's rows of the global batch; its gradients are
 all-reduced in buckets that overlap with the backward pass, by PyTorch's own
 DistributedDataParallel reducer. Inputs and outputs stay global DTensors.
+
+The same path is taken without the wrapper (``auto``): a module whose parameters are
+all plain (replicated) and that is called with a batch split over the data axes is
+checked once per kind of call (its first call runs through DTensor, which records
+every redistribution); when that forward needed none and returned batch-split outputs,
+each process's rows were computed from its own rows alone, so later calls of that kind
+compute locally with DDP's reducer, and give the same values.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import os
+import threading
+import weakref
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import _global_view, runtime
-from torchspmd._boundary import inputs_to_local, local_rows_stream, outputs_to_global
+from torchspmd._boundary import _map, _walk, inputs_to_local, local_rows_stream, outputs_to_global
 from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh, get_1d_mesh, get_global_mesh
 
-__all__ = ["replicate"]
+__all__ = ["replicate", "set_auto_replicate"]
 
 
 def _sum_allreduce_hook(group, bucket):
@@ -28,17 +40,65 @@ def _sum_allreduce_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+def _data_group(dmesh, data_dims: list[int], axis_names):
+    if len(data_dims) == 1:
+        return dmesh.get_group(data_dims[0])
+    names = [axis_names[d] for d in data_dims]
+    return dmesh[tuple(names)]._flatten().get_group()
+
+
+class _Accumulation:
+    """Gradients accumulated over several backward passes stay exact.
+
+    DDP's reducer all-reduces what a parameter's ``.grad`` holds after the backward
+    pass: with a sum (our losses already divide by the global batch) a gradient left
+    from an earlier backward, the same on every process, would be counted once per
+    process. Just before this backward's gradient is accumulated, the earlier one is
+    set aside; when the backward (and DDP's reduction) is over it is added back.
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.queued = False
+        for p in params:
+            p.register_hook(self._hook(weakref.ref(p)))
+
+    def _hook(self, ref):
+        def hook(grad):
+            p = ref()
+            if p is not None and p.grad is not None:
+                self.saved[id(p)] = (p, p.grad)
+                p.grad = None
+                if not self.queued:
+                    self.queued = True
+                    # Runs at the end of this backward; it queues the restore behind every
+                    # callback queued meanwhile, DDP's finalization (which writes .grad) among them.
+                    torch.autograd.Variable._execution_engine.queue_callback(self._after)
+            return grad
+
+        return hook
+
+    def _after(self):
+        torch.autograd.Variable._execution_engine.queue_callback(self._restore)
+
+    def _restore(self):
+        saved, self.saved, self.queued = self.saved, {}, False
+        with torch.no_grad():
+            for p, old in saved.values():
+                if p.grad is None:
+                    p.grad = old
+                else:
+                    p.grad.add_(old)
+
+
 class _ReplicateState:
     def __init__(self, module, mesh: Mesh, data_dims: list[int], shard_output, ddp_kwargs):
         dmesh = mesh.device_mesh
-        if len(data_dims) == 1:
-            group = dmesh.get_group(data_dims[0])
-        else:
-            names = [mesh.axis_names[d] for d in data_dims]
-            group = dmesh[tuple(names)]._flatten().get_group()
+        group = _data_group(dmesh, data_dims, mesh.axis_names)
         params = [p for p in module.parameters() if p.requires_grad]
         self.ddp = DistributedDataParallel(nn.ParameterList(params), process_group=group, **ddp_kwargs)
         self.ddp.register_comm_hook(group, _sum_allreduce_hook)
+        self.accumulation = _Accumulation(params)
         self.dmesh = dmesh
         self.mesh = mesh
         self.data_dims = data_dims
@@ -112,3 +172,338 @@ def replicate(
     module.register_forward_hook(state.leave_local, with_kwargs=True, always_call=True)
     module.register_forward_hook(state.post, with_kwargs=True)
     return module
+
+
+# ---------------------------------------------------------------------------
+# The automatic path: a program without a wrapper at DDP's speed.
+# ---------------------------------------------------------------------------
+
+_AUTO = {"enabled": os.environ.get("TORCHSPMD_AUTO_REPLICATE", "1") != "0"}
+_TLS = threading.local()
+_STATES: "weakref.WeakKeyDictionary[nn.Module, _AutoState]" = weakref.WeakKeyDictionary()
+_OWNED: "weakref.WeakValueDictionary[int, _AutoState]" = weakref.WeakValueDictionary()
+_INSTALLED: list = []
+_UNEVEN_CHECKS = 3  # a kind of call only ever seen unevenly split is then left on DTensor
+
+
+def set_auto_replicate(enabled: bool) -> bool:
+    """Turn the automatic data-parallel path on or off (default on; the environment
+    variable ``TORCHSPMD_AUTO_REPLICATE=0`` starts with it off). Returns the previous
+    setting. Off, a module without a wrapper always computes through DTensor. Every
+    process must make the same call at the same point of the program."""
+    previous = _AUTO["enabled"]
+    _AUTO["enabled"] = bool(enabled)
+    return previous
+
+
+def auto_path(module: nn.Module) -> dict:
+    """What the automatic path decided for ``module``: ``{kind of call: True (local
+    compute, DDP's reducer) or False (through DTensor)}``; empty when it never looked."""
+    state = _STATES.get(module)
+    return dict(state.decided) if state is not None else {}
+
+
+def _stack() -> list:
+    stack = getattr(_TLS, "stack", None)
+    if stack is None:
+        stack = _TLS.stack = []
+    return stack
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _eligible_module(module: nn.Module) -> bool:
+    """Plain (replicated) parameters and buffers, some trainable, none already reduced by
+    another wrapper or another module's automatic path."""
+    if getattr(module, "_torchspmd_replicate", None) is not None:
+        return False
+    trainable = False
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            return False
+        owner = _OWNED.get(id(p))
+        if owner is not None and owner.module() is not module:
+            return False
+        trainable = trainable or p.requires_grad
+    if not trainable:
+        return False
+    return not any(isinstance(b, DTensor) for b in module.buffers())
+
+
+def _inputs(module: nn.Module, args: tuple, kwargs: dict):
+    """The kind of call (a hashable signature) and the batch layout ``(device mesh,
+    placements, data dims, rows)``, or ``(None, None)`` when the inputs are not one batch
+    split on dim 0 over some mesh axes (and replicated over the others)."""
+    parts: list = []
+    dtensors: list[DTensor] = []
+    bad = []
+
+    def tensor(t):
+        if isinstance(t, DTensor):
+            if t.dim() == 0:
+                bad.append(t)
+            dtensors.append(t)
+            parts.append(("D", t.dim(), tuple(t.placements), t.dtype))
+        else:
+            if t.dim() > 0:
+                bad.append(t)  # a plain tensor is a replicated value, not this process's rows
+            parts.append(("T", t.dim(), t.dtype))
+        return t
+
+    def other(v):
+        parts.append(v if v is None or isinstance(v, (bool, str)) else type(v).__name__)
+        return v
+
+    _map((args, kwargs), tensor, other)
+    if bad or not dtensors:
+        return None, None
+    first = dtensors[0]
+    placements = tuple(first.placements)
+    rows = first.shape[0]
+    if any(t.device_mesh != first.device_mesh or tuple(t.placements) != placements or t.shape[0] != rows
+           for t in dtensors):
+        return None, None
+    data_dims = [i for i, p in enumerate(placements) if p.is_shard(0)]
+    if not data_dims or any(not (p.is_replicate() or p.is_shard(0)) for p in placements):
+        return None, None
+    dmesh = first.device_mesh
+    if len(data_dims) > 1 and dmesh.mesh_dim_names is None:
+        return None, None
+    autocast = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    sig = (module.training, torch.is_grad_enabled(), autocast, len(args), tuple(sorted(kwargs)), tuple(parts))
+    return sig, (dmesh, placements, data_dims, rows)
+
+
+class _Redistributions:
+    """Counts DTensor redistributions (implicit ones in the dispatcher, explicit ones, and
+    those of torchspmd's own handlers) while a checked forward runs."""
+
+    _MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
+                "torch.distributed.tensor._api")
+
+    def __init__(self):
+        self.count = 0
+        self.saved: list = []
+
+    def start(self) -> "_Redistributions":
+        import importlib
+
+        for name in self._MODULES:
+            mod = importlib.import_module(name)
+            original = getattr(mod, "redistribute_local_tensor", None)
+            if original is None:  # another torch: count as unknown, never local
+                self.count += 1
+                continue
+
+            def counting(local, current_spec, target_spec, *a, _original=original, **k):
+                if current_spec.placements != target_spec.placements or current_spec.mesh != target_spec.mesh:
+                    self.count += 1
+                return _original(local, current_spec, target_spec, *a, **k)
+
+            self.saved.append((mod, original))
+            mod.redistribute_local_tensor = counting
+        return self
+
+    def stop(self) -> None:
+        for mod, original in self.saved:
+            mod.redistribute_local_tensor = original
+        self.saved = []
+
+
+def _reached_params(output) -> set[int] | None:
+    """The ids of the leaf tensors the autograd graph of ``output`` accumulates into."""
+    roots = []
+    _walk(output, lambda t: roots.append(t.grad_fn) if t.grad_fn is not None else None)
+    if not roots:
+        return None
+    seen, found, todo = set(), set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            found.add(id(var))
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+class _AutoState:
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        self.decided: dict = {}
+        self.uneven_checks: dict = {}
+        self.checking: _Redistributions | None = None
+        self.find_unused: bool | None = None
+        self.ddp: DistributedDataParallel | None = None
+        self.dmesh = None
+        self.data_dims: list[int] = []
+        self.layout = None
+        self.suspended = None
+        self.stream = None
+        self.local = False  # this call computes locally
+        self.converting = False  # its outputs are to be made global
+        self.using_ddp = None
+        module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        module.register_forward_hook(self.leave_local, with_kwargs=True, always_call=True)
+        module.register_forward_hook(self.post, with_kwargs=True)
+
+    # -- the check (a call of a kind not seen before runs through DTensor) --
+
+    def begin_check(self) -> None:
+        self.checking = _Redistributions().start()
+
+    def end_check(self, module, args, kwargs, output) -> None:
+        recorder, self.checking = self.checking, None
+        recorder.stop()
+        if output is None:  # the forward raised
+            return
+        sig, info = _inputs(module, args, kwargs)
+        if sig is None:
+            return
+        dmesh, placements, data_dims, rows = info
+        ok = recorder.count == 0 and _eligible_module(module)
+        seen = []
+
+        def out_tensor(t):
+            seen.append(t)
+            return t
+
+        def out_other(v):
+            if not (v is None or isinstance(v, (bool, int, float, str))):
+                seen.append(None)  # an object whose tensors cannot be followed
+            return v
+
+        _map(output, out_tensor, out_other)
+        if not seen or any(t is None or not isinstance(t, DTensor) or t.device_mesh != dmesh
+                           or tuple(t.placements) != placements or t.dim() == 0 or t.shape[0] != rows
+                           for t in seen):
+            ok = False
+        if ok and torch.is_grad_enabled():
+            reached = _reached_params(output)
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            unused = reached is None or any(id(p) not in reached for p in trainable)
+            if self.ddp is None:
+                self.find_unused = bool(self.find_unused) or unused
+            elif unused and not self.find_unused:
+                ok = False  # DDP's reducer expects every parameter's gradient
+        # Every process decides the same (one program); agree anyway, it is once per kind.
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+        ways = 1
+        for d in data_dims:
+            ways *= dmesh.size(d)
+        if not ok and rows % ways:
+            # On an uneven split DTensor itself regathers some views (torchspmd's exact
+            # global view does): that says nothing about the program. Check an even batch.
+            self.uneven_checks[sig] = self.uneven_checks.get(sig, 0) + 1
+            if self.uneven_checks[sig] < _UNEVEN_CHECKS:
+                return
+        self.decided[sig] = ok
+        if ok:
+            self.dmesh, self.data_dims = dmesh, data_dims
+
+    # -- the local path --
+
+    def _reducer(self, module) -> DistributedDataParallel:
+        if self.ddp is None:
+            group = _data_group(self.dmesh, self.data_dims, self.dmesh.mesh_dim_names)
+            params = [p for p in module.parameters() if p.requires_grad]
+            # Replicas were checked to agree when the parameters first met the batch; no
+            # broadcast (init_sync=False): it would change tensors a live graph saved.
+            self.ddp = DistributedDataParallel(nn.ParameterList(params), process_group=group, init_sync=False,
+                                               find_unused_parameters=bool(self.find_unused))
+            self.ddp.register_comm_hook(group, _sum_allreduce_hook)
+            self.accumulation = _Accumulation(params)
+            for p in params:
+                _OWNED[id(p)] = self
+        return self.ddp
+
+    def pre(self, module, args, kwargs):
+        self.local = self.converting = False
+        self.using_ddp = None
+        stack = _stack()
+        if not (_AUTO["enabled"] and len(stack) == 1 and stack[0] is module) or _in_backward():
+            return None
+        sig, info = _inputs(module, args, kwargs)
+        if sig is None:
+            return None
+        decision = self.decided.get(sig)
+        if decision is None:
+            if _eligible_module(module):
+                self.begin_check()
+            return None
+        if not decision or not _eligible_module(module):
+            return None
+        if torch.is_grad_enabled() and self.ddp is None and self.find_unused is None:
+            return None  # no grad-enabled call was checked yet: its check decides the reducer
+        args, kwargs, self.layout = inputs_to_local(args, kwargs, self.dmesh, self.data_dims, "torchspmd")
+        self.suspended = _global_view.suspend()  # local compute: nothing to lift
+        self.stream = local_rows_stream(self.layout, self.data_dims)
+        self.stream.__enter__()
+        self.local = self.converting = True
+        if torch.is_grad_enabled():
+            ddp = self._reducer(module)
+            DistributedDataParallel._active_ddp_module = ddp
+            self.using_ddp = ddp
+            args, kwargs = ddp._pre_forward(*args, **kwargs)
+        return args, kwargs
+
+    def leave_local(self, module, args, kwargs, output):
+        if self.local:
+            self.local = False
+            stream, self.stream = self.stream, None
+            stream.__exit__(None, None, None)
+            _global_view.resume(self.suspended)
+            self.suspended = None
+
+    def post(self, module, args, kwargs, output):
+        if not self.converting:
+            return None
+        self.converting = False
+        if self.using_ddp is not None:
+            DistributedDataParallel._active_ddp_module = None
+            output = self.using_ddp._post_forward(output)
+            self.using_ddp = None
+        return outputs_to_global(output, self.layout, "torchspmd (automatic data parallelism)")
+
+
+def _global_pre(module, args):
+    if torch.compiler.is_compiling():
+        return None
+    stack = _stack()
+    stack.append(module)
+    if len(stack) == 1 and _AUTO["enabled"] and module not in _STATES and not _in_backward() \
+            and _eligible_module(module):
+        # First call: its hooks act from the next call on; this one is checked (its end,
+        # which sees the keyword arguments too, tells whether it was one split batch).
+        state = _STATES[module] = _AutoState(module)
+        state.begin_check()
+    return None
+
+
+def _global_post(module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        return None
+    stack = _stack()
+    if stack and stack[-1] is module:
+        stack.pop()
+    if not stack:
+        state = _STATES.get(module)
+        if state is not None and state.checking is not None:
+            state.end_check(module, args, kwargs, output)
+    return None
+
+
+def install_auto() -> None:
+    """Install the module hooks of the automatic path (once; ``use_spmd`` does it)."""
+    if not _INSTALLED:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        _INSTALLED.append(register_module_forward_pre_hook(_global_pre))
+        _INSTALLED.append(register_module_forward_hook(_global_post, with_kwargs=True, always_call=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import warnings
@@ -206,6 +207,7 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     # One program: every process continues from rank 0's random state (docs/guide.md).
     _rng.synchronize(name)
     _global_view.install()
+    importlib.import_module("torchspmd.replicate").install_auto()  # (the package's `replicate` is the function)
     _STATE.spmd = True
     if dist.get_rank() != 0 and not os.environ.get(ENV_ALL_RANKS_OUTPUT):
         # The global view: the program prints once, as one process would.

@@ -1,0 +1,180 @@
+"""The automatic data-parallel path: a program without a wrapper (the seed's Pattern 1)
+computes locally with DDP's reducer once its forward is found row-local, and stays
+exact. The oracle is the same program in this (plain PyTorch) process."""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchspmd as ts
+
+RTOL, ATOL = 1e-5, 1e-6
+AUTO = importlib.import_module("torchspmd.replicate")  # (the package's `replicate` is the function)
+VOCAB, SEQ = 29, 8
+
+
+class Net(nn.Module):
+    """Sizes not divisible by the device count; an unused parameter when ``unused``; a
+    row-mixing BatchNorm when ``norm``; the loss inside forward when ``inner_loss``."""
+
+    def __init__(self, unused=False, norm=False, inner_loss=False):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)
+        self.fc2 = nn.Linear(13, 3)
+        self.norm = nn.BatchNorm1d(13) if norm else None
+        self.spare = nn.Linear(3, 3) if unused else None
+        self.inner_loss = inner_loss
+
+    def forward(self, x, target=None):
+        h = torch.tanh(self.fc1(x))
+        if self.norm is not None:
+            h = self.norm(h)
+        out = self.fc2(h)
+        if self.inner_loss:
+            return F.cross_entropy(out, target)
+        return out
+
+
+def _decoder():
+    from torchspmd.models import DecoderModel
+
+    return DecoderModel(vocab_size=VOCAB, dim=16, num_layers=2, num_heads=2, intermediate_size=24, max_seq_len=SEQ)
+
+
+def _data(kind: str, rows: int):
+    g = torch.Generator().manual_seed(5)
+    if kind == "decoder":
+        tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return torch.randn(rows, 7, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def _loss(kind, model, x, y):
+    if kind == "decoder":
+        return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+    if getattr(model, "inner_loss", False):
+        return model(x, target=y)
+    return F.cross_entropy(model(x), y)
+
+
+def _run(kind: str, rows: int, batch: int, accumulate: int = 1, spmd: bool = False, wrap: bool = False,
+         annotate: bool = False, net_kwargs=None, eval_first=False):
+    """Train for len(batches) / accumulate steps; return (losses, grads per step, state, decisions)."""
+    torch.manual_seed(0)
+    model = _decoder() if kind == "decoder" else Net(**(net_kwargs or {}))
+    x_all, y_all = _data(kind, rows)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_all, y_all), batch_size=batch)
+    if spmd:
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        if annotate:  # one parameter split over the devices: the sharded path
+            ts.mark_sharding(model.fc1.weight, mesh, ("data", None))
+        if wrap:
+            model = ts.replicate(model, mesh)
+        spec = ("data", None)
+        loader = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, spec))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if eval_first:  # an evaluation (no gradients) before training: a kind of call of its own
+        model.eval()
+        with torch.no_grad():
+            x0, y0 = next(iter(loader))
+            _loss(kind, model, x0, y0)
+        model.train()
+    losses, grads = [], []
+    for i, (x, y) in enumerate(loader):
+        loss = _loss(kind, model, x, y) / accumulate
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            grads.append({k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for k, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in model.state_dict().items()}
+    decided = list(AUTO.auto_path(model).values()) if spmd else None
+    return losses, grads, state, decided
+
+
+def _check(results, ref):
+    ref_losses, ref_grads, ref_state, _ = ref
+    for losses, grads, state, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+        assert losses == results[0][0]  # loss.item() is the same global value on every process
+        assert len(grads) == len(ref_grads)
+        for g, rg in zip(grads, ref_grads):
+            assert g.keys() == rg.keys()
+            for k in rg:
+                torch.testing.assert_close(g[k], rg[k], rtol=RTOL, atol=ATOL)
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL)
+
+
+# Batches of 8 rows split evenly over 2 and 4 processes, then a last batch of 7 (uneven).
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["net", "decoder"])
+def test_fast_path_exact_with_uneven_last_batch(dist, world, kind):
+    ref = _run(kind, 8 * 3 + 7, 8)
+    results = dist(world).run(_run, kind, 8 * 3 + 7, 8, spmd=True)
+    _check(results, ref)
+    assert all(r[3] == [True] for r in results)  # the local path was taken
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("wrap", [False, True], ids=["auto", "replicate"])
+def test_gradient_accumulation_exact(dist, world, wrap):
+    # Two backward passes per optimizer step: DDP's reducer alone would count the first
+    # pass's (already reduced) gradient once per process.
+    ref = _run("net", 8 * 4, 8, accumulate=2)
+    results = dist(world).run(_run, "net", 8 * 4, 8, accumulate=2, spmd=True, wrap=wrap)
+    _check(results, ref)
+    if not wrap:
+        assert all(r[3] == [True] for r in results)
+
+
+def test_annotated_parameter_keeps_the_sharded_path(dist):
+    ref = _run("net", 8 * 3, 8)
+    results = dist(2).run(_run, "net", 8 * 3, 8, spmd=True, annotate=True)
+    _check(results, ref)
+    assert all(r[3] == [] for r in results)  # never considered: a parameter is sharded
+
+
+@pytest.mark.parametrize("net_kwargs,expected", [
+    ({"norm": True}, [False]),  # BatchNorm mixes rows: stays on DTensor
+    ({"inner_loss": True}, [False]),  # a global loss returned by forward: stays on DTensor
+    ({"unused": True}, [True]),  # a parameter no forward uses: DDP told to look for it
+], ids=["batchnorm", "inner-loss", "unused-parameter"])
+def test_decision_follows_the_program(dist, net_kwargs, expected):
+    ref = _run("net", 8 * 3, 8, net_kwargs=net_kwargs)
+    results = dist(2).run(_run, "net", 8 * 3, 8, spmd=True, net_kwargs=net_kwargs)
+    _check(results, ref)
+    assert all(r[3] == expected for r in results)
+
+
+def test_evaluation_before_training(dist):
+    # An evaluation call (no gradients) is its own kind of call; training after it is
+    # checked on its own and still exact.
+    ref = _run("net", 8 * 3, 8, eval_first=True)
+    results = dist(2).run(_run, "net", 8 * 3, 8, spmd=True, eval_first=True)
+    _check(results, ref)
+    assert all(sorted(r[3]) == [True, True] for r in results)
+
+
+def _switch_off():
+    previous = AUTO.set_auto_replicate(False)
+    try:
+        return _run("net", 8 * 3, 8, spmd=True)
+    finally:
+        AUTO.set_auto_replicate(previous)
+
+
+def test_switched_off_stays_on_dtensor(dist):
+    ref = _run("net", 8 * 3, 8)
+    results = dist(2).run(_switch_off)
+    _check(results, ref)
+    assert all(r[3] == [] for r in results)
