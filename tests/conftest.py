@@ -36,3 +36,15 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run where CUDA is present and are skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
