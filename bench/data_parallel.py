@@ -1,11 +1,23 @@
 """Data parallelism on this machine: one process, DDP, ts.replicate, and Pattern 1.
 
-    python bench/data_parallel.py [--nproc 2] [--steps 12] [--warmup 3]
+    python bench/data_parallel.py [--nproc 2 4] [--repeats 3] [--steps 12] [--warmup 3]
 
-Same model (the seed decoder), same global batch, same optimizer in every strategy.
-Tokens/s is the median over timed steps after warm-up; memory is each process's peak
-RSS. Writes bench/results/data_parallel.md and .json. Timings on a shared CPU are
-noisy: compare the ratios within one run.
+Same model (the seed decoder), same global batch, same optimizer in every strategy:
+
+- ``single``: one process, all cores;
+- ``ddp``: PyTorch DDP, each process loading its own rows;
+- ``replicate``: ``ts.replicate`` around the model;
+- ``pattern1``: the seed's Pattern 1 as written (no wrapper, batches split by
+  ``MpDeviceLoader``): torchspmd's automatic data-parallel path;
+- ``pattern1-dtensor``: the same program with that path switched off
+  (``TORCHSPMD_AUTO_REPLICATE=0``): every operation through DTensor.
+
+A run's tokens/s is the median over its timed steps after warm-up; memory is rank 0's
+peak RSS. Each configuration runs ``--repeats`` times, the strategies interleaved in a
+rotating order within each round, so that a slow stretch of this shared machine falls
+on all of them; the table gives the median and the min-max over the runs, and each
+strategy's ratio to DDP per round (median and min-max). Writes
+bench/results/data_parallel.md and .json.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ def _batches(steps: int):
 
 
 def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
+    if strategy == "pattern1-dtensor":
+        os.environ["TORCHSPMD_AUTO_REPLICATE"] = "0"
     import numpy as np
     import torch
 
@@ -63,9 +77,16 @@ def worker(strategy: str, steps: int, warmup: int, result: str) -> None:
         write_result(result, strategy, BATCH * SEQ, times)
 
 
+STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor"]
+
+
 def main() -> None:
+    import statistics
+
     p = argparse.ArgumentParser()
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--worker")
@@ -73,28 +94,46 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.warmup, args.result)
-    rows = []
     cores = os.cpu_count() or 1
-    for strategy in ["single", "ddp", "replicate", "pattern1"]:
-        rows.append(run_worker(__file__, ["--worker", strategy, "--steps", str(args.steps), "--warmup",
-                                          str(args.warmup)], 1 if strategy == "single" else args.nproc,
-                               HERE / "results" / f".{strategy}.json"))
-    base = next(r for r in rows if r["strategy"] == "ddp")["tokens_per_s"]
+    configs = [("single", 1)] if "single" in args.strategies else []
+    configs += [(s, n) for n in args.nproc for s in args.strategies if s != "single"]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for r in range(args.repeats):
+        k = r % len(configs)
+        for strategy, nproc in configs[k:] + configs[:k]:  # a rotating order: each round starts elsewhere
+            row = run_worker(__file__, ["--worker", strategy, "--steps", str(args.steps), "--warmup",
+                                        str(args.warmup)], nproc, HERE / "results" / f".{strategy}{nproc}.json")
+            runs[(strategy, nproc)].append(row)
+            print(f"round {r + 1}/{args.repeats}: {strategy} x{nproc} {row['tokens_per_s']:.0f} tok/s", flush=True)
+    names = {"single": "one process", "ddp": "DDP", "replicate": "ts.replicate",
+             "pattern1": "Pattern 1 as written (automatic path)",
+             "pattern1-dtensor": "Pattern 1, automatic path off (DTensor)"}
     lines = [
         "# Data parallelism: tokens/s and memory",
         "",
-        f"Seed decoder {MODEL}, global batch {BATCH} x {SEQ} tokens, Adam; {args.nproc} processes "
-        f"(gloo) except `single` (1 process, {cores} threads). Median of {args.steps - args.warmup} timed steps. "
-        f"Machine: {platform.machine()}, {cores} cores, torch {__import__('torch').__version__}.",
+        f"`python bench/data_parallel.py --repeats {args.repeats}`: seed decoder {MODEL}, global batch {BATCH} x "
+        f"{SEQ} tokens, Adam; gloo processes (OMP threads = cores / processes) except `one process` (1 process, "
+        f"{cores} threads). Each run: median of {args.steps - args.warmup} timed steps; {args.repeats} runs of each "
+        f"configuration, interleaved. Machine: {platform.machine()}, {cores} cores, torch "
+        f"{__import__('torch').__version__}.",
         "",
-        "| strategy | tokens/s | vs DDP | peak RSS per process (GB) |",
-        "|---|---|---|---|",
+        "| strategy | processes | tokens/s, median of runs | min-max of runs | vs DDP, median of rounds | "
+        "min-max of rounds | peak RSS per process (GB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    names = {"single": "one process", "ddp": f"DDP x{args.nproc}", "replicate": f"ts.replicate x{args.nproc}",
-             "pattern1": f"Pattern 1 (no wrapper, DTensor) x{args.nproc}"}
-    for r in rows:
-        lines.append(f"| {names[r['strategy']]} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | "
-                     f"{r['peak_rss_gb']:.2f} |")
+    rows = []
+    for (strategy, nproc), rs in runs.items():
+        tps = [x["tokens_per_s"] for x in rs]
+        ddp = runs.get(("ddp", nproc)) if nproc > 1 else None
+        ratios = [x["tokens_per_s"] / d["tokens_per_s"] for x, d in zip(rs, ddp)] if ddp else []
+        row = {"strategy": strategy, "nproc": nproc, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
+               "vs_ddp": statistics.median(ratios) if ratios else None, "vs_ddp_runs": ratios,
+               "peak_rss_gb": statistics.median(x["peak_rss_gb"] for x in rs)}
+        rows.append(row)
+        vs = f"{row['vs_ddp']:.2f}" if ratios else ""
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+        lines.append(f"| {names[strategy]} | {nproc} | {row['tokens_per_s']:.0f} | {min(tps):.0f}-{max(tps):.0f} | "
+                     f"{vs} | {spread} | {row['peak_rss_gb']:.2f} |")
     (HERE / "results" / "data_parallel.md").write_text("\n".join(lines) + "\n")
     (HERE / "results" / "data_parallel.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))

@@ -1,7 +1,7 @@
 """The benchmark suite: every data-parallel strategy, on two models, at 2 and 4 processes.
 
-    python bench/suite.py                       # everything (about 20 minutes on 2 cores)
-    python bench/suite.py --models seed --nproc 2 --steps 6
+    python bench/suite.py                       # everything, 3 rounds (about an hour on 2 cores)
+    python bench/suite.py --models seed --nproc 2 --repeats 2 --steps 6
 
 Strategies, each training the same model on the same global batches (4 x 64 tokens,
 Adam, one FSDP unit per decoder layer):
@@ -33,10 +33,16 @@ and the range over the runs; one plain process gives the reference losses and gr
 norm both must reproduce. Writes ``bench/results/suite_2d.md`` and ``suite_2d.json``
 (nothing else).
 
-Tokens/s is the median of the timed steps after warm-up; peak RSS is rank 0's (the
-processes are alike); model state is the bytes of parameters, gradients and optimizer
-state one process holds. Writes ``bench/results/suite.md``, ``suite.json`` and
-``suite.png``, and the table into README.md between its bench markers.
+A run's tokens/s is the median of its timed steps after warm-up; peak RSS is rank 0's
+(the processes are alike); model state is the bytes of parameters, gradients and
+optimizer state one process holds. Every configuration runs ``--repeats`` times: each
+round runs all of them, in an order rotated by one each round, so that a slow stretch of
+this shared machine falls on every strategy alike. The tables give the median and the
+min-max over the runs, and ratios per round (this round's run against this round's
+FSDP2, or torch_xla's FSDPv2) as median and min-max: a ratio whose range straddles 1 is
+not a difference. Writes ``suite.md``, ``suite.json`` and ``suite.png`` under ``--out``
+(default ``bench/results``; there, the table also goes into README.md between its bench
+markers).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -433,17 +440,29 @@ def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup:
     return row
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}" if len(values) > 1 else ""
+
+
 def _table(rows: list[dict], title: str) -> list[str]:
     lines = [f"### {title}", "",
-             "| strategy | processes | tokens/s | vs FSDP2 | peak RSS per process (GB) | model state per process (GB) |",
-             "|---|---|---|---|---|---|"]
+             "| strategy | processes | tokens/s, median of runs | min-max | vs FSDP2, median of rounds | min-max | "
+             "peak RSS per process (GB) | model state per process (GB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next((x["tokens_per_s"] for x in rows if x["strategy"] == "fsdp2" and x["nproc"] == r["nproc"]), None)
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+        ratios = r.get("vs_fsdp2_runs") or []
         procs = f"1 ({r['nproc']} devices)" if r["strategy"] in XLA else str(r["nproc"])
         rss = f"{r['peak_rss_gb']:.2f}" + (" (all devices)" if r["strategy"] in XLA else "")
-        lines.append(f"| {NAMES[r['strategy']]} | {procs} | {r['tokens_per_s']:.0f} | {ratio} | {rss} | "
+        vs = f"{r['vs_fsdp2']:.2f}x" if ratios else ""
+        lines.append(f"| {NAMES[r['strategy']]} | {procs} | {r['tokens_per_s']:.0f} | "
+                     f"{_spread(r.get('tokens_per_s_runs', []), '.0f')} | {vs} | {_spread(ratios, '.2f')} | {rss} | "
                      f"{r['state_gb']:.3f} |")
+    lines.append("")
+    for r in rows:
+        if r.get("vs_xla_runs"):
+            x = r["vs_xla_runs"]
+            lines.append(f"- {NAMES[r['strategy']]} / torch_xla FSDPv2 at {r['nproc']} devices: median "
+                         f"{statistics.median(x):.2f}x, min-max {_spread(x, '.2f') or f'{x[0]:.2f}'} over the rounds.")
     return lines + [""]
 
 
@@ -486,7 +505,9 @@ def main() -> None:
                         "replaced) and write the tables again")
     p.add_argument("--2d", dest="two_d", action="store_true",
                    help="run only the 2D (tensor parallel x FSDP) comparison; writes bench/results/suite_2d.*")
-    p.add_argument("--repeats", type=int, default=3, help="--2d: runs of each strategy, interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
+    p.add_argument("--out", default=str(HERE / "results"), help="where the results go (README.md is updated only "
+                                                                "for the default)")
     p.add_argument("--worker")
     p.add_argument("--xla-worker", choices=XLA)
     p.add_argument("--result")
@@ -503,24 +524,44 @@ def main() -> None:
     if a.two_d:
         return run_2d(a.repeats, a.steps, a.warmup)
     xla = _xla_python()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
-    results: dict[str, list[dict]] = {}
-    for model in a.models:
-        rows = []
-        runs = ([("single", 1)] if "single" in a.strategies else []) + [
-            (s, n) for n in a.nproc for s in a.strategies if s != "single"]
-        for strategy, nproc in runs:
-            tmp = HERE / "results" / f".{strategy}{nproc}.json"
+    configs = [(model, s, n) for model in a.models for s, n in
+               ([("single", 1)] if "single" in a.strategies else [])
+               + [(s, n) for n in a.nproc for s in a.strategies if s != "single"]
+               if not (s in XLA and not xla)]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for r in range(a.repeats):
+        k = r % len(configs)
+        for model, strategy, nproc in configs[k:] + configs[:k]:  # rotated: each round starts elsewhere
+            tmp = out / f".{model}{strategy}{nproc}.json"
             if strategy in XLA:
-                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy) if xla else None
+                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy)
             else:
                 row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
                                  nproc, tmp)
+            runs[(model, strategy, nproc)].append(row)
             if row is not None:
-                row.update(nproc=nproc, model=model)
-                rows.append(row)
-                print(model, strategy, nproc, f"{row['tokens_per_s']:.0f} tok/s", flush=True)
-        results[model] = rows
+                print(f"round {r + 1}/{a.repeats}: {model} {strategy} x{nproc} {row['tokens_per_s']:.0f} tok/s",
+                      flush=True)
+    results: dict[str, list[dict]] = {}
+    for (model, strategy, nproc), rs in runs.items():
+        done = [x for x in rs if x is not None]
+        if not done:
+            continue
+
+        def per_round(base: str) -> list[float]:
+            other = runs.get((model, base, nproc), [])
+            return [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, other) if x is not None and o is not None]
+
+        tps = [x["tokens_per_s"] for x in done]
+        row = {"strategy": strategy, "nproc": nproc, "model": model, "tokens_per_s": statistics.median(tps),
+               "tokens_per_s_runs": tps, "peak_rss_gb": statistics.median(x["peak_rss_gb"] for x in done),
+               "state_gb": done[0]["state_gb"], "vs_fsdp2_runs": per_round("fsdp2") if nproc > 1 else [],
+               "vs_xla_runs": per_round("xla") if strategy.startswith("fsdpv2") and nproc > 1 else []}
+        row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_runs"]) if row["vs_fsdp2_runs"] else None
+        results.setdefault(model, []).append(row)
     scaling = []
     if not a.no_scaling:
         for size in ("small", "seed"):
@@ -528,10 +569,10 @@ def main() -> None:
                 reuse = next((r for r in results.get("seed", []) if size == "seed" and r["strategy"] == "fsdpv2"
                               and r["nproc"] == nproc), None)
                 row = reuse or run_worker(__file__, ["--worker", "fsdpv2", "--models", "seed", "--size", size,
-                                                     *common], nproc, HERE / "results" / f".scale{size}{nproc}.json")
+                                                     *common], nproc, out / f".scale{size}{nproc}.json")
                 scaling.append({**row, "size": size, "nproc": nproc})
-    if a.update and (HERE / "results" / "suite.json").exists():
-        old = json.loads((HERE / "results" / "suite.json").read_text())
+    if a.update and (out / "suite.json").exists():
+        old = json.loads((out / "suite.json").read_text())
         for model, rows in results.items():
             new = {(r["strategy"], r["nproc"]) for r in rows}
             kept = [r for r in old["results"].get(model, []) if (r["strategy"], r["nproc"]) not in new]
@@ -544,8 +585,9 @@ def main() -> None:
     lines = ["## Benchmarks", "",
              f"`python bench/suite.py` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam, one FSDP unit per decoder layer; "
-             f"median of {a.steps - a.warmup} timed steps. The processes share the cores (OMP threads = cores / "
-             f"processes); timings on a shared 2-core machine are noisy: compare ratios within one run.", ""]
+             f"each run's tokens/s is the median of its {a.steps - a.warmup} timed steps; {a.repeats} runs of each "
+             f"configuration, interleaved (rotated order each round). The processes share the cores (OMP threads = "
+             f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges.", ""]
     for model, rows in results.items():
         title = {"seed": "Seed decoder, 107M parameters", "llama": "transformers Llama, same shape"}[model]
         lines += _table(rows, title)
@@ -558,13 +600,14 @@ def main() -> None:
                          f"{r['state_gb']:.3f} |")
         lines.append("")
     text = "\n".join(lines)
-    (HERE / "results" / "suite.md").write_text(text)
-    (HERE / "results" / "suite.json").write_text(json.dumps({"results": results, "scaling": scaling}, indent=1))
-    _plot(results, scaling, HERE / "results" / "suite.png")
+    (out / "suite.md").write_text(text)
+    (out / "suite.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": a.repeats},
+                                               indent=1))
+    _plot(results, scaling, out / "suite.png")
     readme = ROOT / "README.md"
     body = readme.read_text()
     block = "<!-- bench:start -->\n" + text.replace("## Benchmarks\n\n", "") + "\n![](bench/results/suite.png)\n<!-- bench:end -->"
-    if "<!-- bench:start -->" in body:
+    if "<!-- bench:start -->" in body and out.resolve() == (HERE / "results").resolve():
         body = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda m: block, body, flags=re.S)
         readme.write_text(body)
     print(text)

@@ -307,16 +307,20 @@ class _Iterator:
 
     def __del__(self):
         self.stop.set()
+        try:  # unblock a waiting put
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass
 
     # -- background thread ---------------------------------------------------------
     def _put(self, item) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        # A blocking put: a put that polled (a timeout in a loop) woke this thread ten times a
+        # second for the whole run, each wake taking the GIL from the training thread.
+        if self.stop.is_set():
+            return False
+        self.queue.put(item)
+        return not self.stop.is_set()
 
     def _work(self, first: list, source) -> None:
         try:
