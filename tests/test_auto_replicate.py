@@ -2,8 +2,6 @@
 computes locally with DDP's reducer once its forward is found row-local, and stays
 exact. The oracle is the same program in this (plain PyTorch) process."""
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -13,7 +11,6 @@ import torch.nn.functional as F
 import torchspmd as ts
 
 RTOL, ATOL = 1e-5, 1e-6
-AUTO = importlib.import_module("torchspmd.replicate")  # (the package's `replicate` is the function)
 VOCAB, SEQ = 29, 8
 
 
@@ -96,7 +93,7 @@ def _run(kind: str, rows: int, batch: int, accumulate: int = 1, spmd: bool = Fal
             opt.zero_grad()
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for k, v in model.state_dict().items()}
-    decided = list(AUTO.auto_path(model).values()) if spmd else None
+    decided = list(ts.auto_path(model).values()) if spmd else None
     return losses, grads, state, decided
 
 
@@ -166,11 +163,11 @@ def test_evaluation_before_training(dist):
 
 
 def _switch_off():
-    previous = AUTO.set_auto_replicate(False)
+    previous = ts.set_auto_replicate(False)
     try:
         return _run("net", 8 * 3, 8, spmd=True)
     finally:
-        AUTO.set_auto_replicate(previous)
+        ts.set_auto_replicate(previous)
 
 
 def test_switched_off_stays_on_dtensor(dist):

@@ -36,7 +36,7 @@ from torchspmd.sharding import (
 )
 from torchspmd.data import MpDeviceLoader, shard_batch
 from torchspmd.explain import explain
-from torchspmd.replicate import replicate
+from torchspmd.replicate import auto_path, replicate, set_auto_replicate
 from torchspmd.fsdp import (
     FSDPv2,
     SpmdFullyShardedDataParallel,
@@ -54,6 +54,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SpmdError",
+    "set_auto_replicate",
+    "auto_path",
     "use_spmd",
     "is_spmd",
     "backend",
