@@ -12,7 +12,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str) -> None:
+def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str, grad_accum: int = 1) -> None:
     import functools
 
     import torch
@@ -27,7 +27,7 @@ def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str
     vocab = config.vocab_size
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, vocab, (batch * steps, seq), generator=g))
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=batch), ts.device(),
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=batch // grad_accum), ts.device(),
                                input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     batches = list(loader)
     base = rss_bytes()
@@ -36,12 +36,13 @@ def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer})
     model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy, mixed_precision="bf16" if dtype == "bf16" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for (x,) in batches:
+    for i, (x,) in enumerate(batches):  # grad_accum micro-batches per step
         logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x.reshape(-1)) / grad_accum
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        if (i + 1) % grad_accum == 0:
+            opt.step()
+            opt.zero_grad()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if ts.global_ordinal() == 0:
         with open(out, "w") as f:
@@ -49,4 +50,5 @@ def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6],
+         *(int(a) for a in sys.argv[7:8]))

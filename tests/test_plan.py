@@ -8,30 +8,34 @@ from pathlib import Path
 import pytest
 import transformers
 
-from torchspmd.plan import estimate, model_facts
+from torchspmd.plan import HEADROOM, estimate, model_facts, propose
 from _helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _measure(config_dir, devices, batch, seq, dtype, out):
+def _measure(config_dir, devices, batch, seq, dtype, out, grad_accum=1):
     env = clean_env()
     # Big allocations straight from (and back to) the OS, so that the peak RSS is the peak of
     # the live tensors rather than of malloc's cached free memory.
     env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(devices),
                         str(ROOT / "tests" / "_plan_worker.py"), str(config_dir), str(batch), str(seq), dtype, "3",
-                        str(out)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                        str(out), str(grad_accum)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(Path(out).read_text())["peak_growth"]
 
 
-@pytest.mark.parametrize("devices,batch,seq,dtype", [(2, 8, 128, "fp32"), (4, 8, 256, "fp32"), (2, 8, 256, "bf16")])
-def test_fsdpv2_prediction_within_15_percent_of_a_measured_run(tmp_path, devices, batch, seq, dtype):
+def _config(path):
     config = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
                                       use_cache=False, tie_word_embeddings=False)
-    config.save_pretrained(tmp_path / "model")
+    config.save_pretrained(path)
+
+
+@pytest.mark.parametrize("devices,batch,seq,dtype", [(2, 8, 128, "fp32"), (4, 8, 256, "fp32"), (2, 8, 256, "bf16")])
+def test_fsdpv2_prediction_within_15_percent_of_a_measured_run(tmp_path, devices, batch, seq, dtype):
+    _config(tmp_path / "model")
     measured = _measure(tmp_path / "model", devices, batch, seq, dtype, tmp_path / "peak.json")
     predicted = estimate(model_facts(str(tmp_path / "model"), dtype), devices, batch, seq, dtype, "adamw")
     fsdp = predicted["FSDPv2"]["total"]
@@ -55,3 +59,46 @@ def test_plan_errors_name_the_argument():
     facts = model_facts("tiny")
     with pytest.raises(SpmdError, match="--optimizer 'lion'"):
         estimate(facts, 2, 8, 64, "fp32", "lion")
+
+
+def test_proposal_is_the_largest_micro_batch_that_fits_and_its_run_measures_as_predicted(tmp_path):
+    """A device size between what 2 and 4 rows per device need: plan proposes 2 rows and the
+    grad_accum that keeps the global batch of 16; a real 2-process run of that proposal
+    peaks within 15% of the proposal's prediction."""
+    _config(tmp_path / "model")
+    facts = model_facts(str(tmp_path / "model"), "fp32")
+    need = {rows: estimate(facts, 2, 16, 128, "fp32", "adamw", 8 // rows)["FSDPv2"]["total"] for rows in (1, 2, 4, 8)}
+    assert need[1] < need[2] < need[4] < need[8]
+    memory = (need[2] + need[4]) / 2 / HEADROOM
+    proposal = propose(facts, 2, 16, 128, memory, "fp32")
+    assert (proposal.strategy, proposal.rows, proposal.grad_accum, proposal.devices) == ("FSDPv2", 2, 4, 2)
+    assert proposal.total == need[2] <= HEADROOM * memory
+    measured = _measure(tmp_path / "model", 2, 16, 128, "fp32", tmp_path / "peak.json", grad_accum=4)
+    assert abs(proposal.total - measured) / measured <= 0.15, (proposal.total / 2**20, measured / 2**20)
+
+
+def test_proposal_climbs_to_checkpointing_offload_then_more_devices():
+    facts = model_facts("small", "bf16")
+    plan = estimate(facts, 2, 64, 512, "bf16", "adamw", 32)  # one row per device
+    order = ["FSDPv2", "FSDPv2 + checkpointing", "FSDPv2 + checkpointing + CPU offload"]
+    for name in order:  # a device just big enough for one row under each strategy
+        memory = plan[name]["total"] / HEADROOM * 1.0001
+        p = propose(facts, 2, 64, 512, memory, "bf16")
+        assert (p.strategy, p.devices, p.devices_changed, p.rows, p.grad_accum) == (name, 2, False, 1, 32), p
+        assert p.total <= HEADROOM * memory
+    # without offload (as train, which has none) and too small for 2 devices: more devices, whose
+    # shares of the parameters, gradients and optimizer state are smaller
+    small = estimate(facts, 8, 64, 512, "bf16", "adamw", 8)[order[1]]["total"] / HEADROOM * 1.0001
+    p = propose(facts, 2, 64, 512, small, "bf16", ladder=order[:2])
+    assert (p.devices, p.devices_changed, p.strategy) == (8, True, order[1]) and p.rows * p.grad_accum * 8 == 64
+    assert propose(facts, 2, 64, 512, 1e3, "bf16") is None  # 1 kB: nothing fits
+
+
+def test_plan_command_proposes_for_each_device_size():
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "plan", "--model", "small", "--devices", "2",
+                        "--memory-gb", "1", "--memory-gb", "24"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Proposed"))
+    assert lines[start + 1].startswith("  1 GB: FSDPv2") and "grad_accum" in lines[start + 1], r.stdout
+    assert lines[start + 2].startswith("  24 GB: FSDPv2, 32 rows per device x grad_accum 1"), r.stdout

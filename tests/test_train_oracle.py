@@ -26,7 +26,7 @@ NEW_TOKENS = 40  # prompt + new tokens stay within the model's 64 positions
 EOS = 256  # the byte tokenizer's end of text
 # The job's settings the single-process oracle repeats (test_train.SMALL and the config defaults).
 SEQ, BATCH, DIM, LAYERS, HEADS, MLP = 64, 8, 64, 2, 4, 128
-LR, WARMUP, BETAS, DECAY, CLIP, SEED = 3e-3, 20, (0.9, 0.95), 0.1, 1.0, 0
+LR, WARMUP, BETAS, DECAY, CLIP, SEED = 3e-3, STEPS, (0.9, 0.95), 0.1, 1.0, 0  # warm-up: the whole run (job())
 
 
 def clean_python(code: str, *args) -> str:
@@ -96,6 +96,8 @@ def corpus(work):
 
 
 def job(out: Path, corpus: Path, *flags, steps: int = STEPS, **kw):
+    if "--optim.warmup_steps" not in flags:  # warm-up only, as the oracle's schedule
+        flags = (*flags, "--optim.warmup_steps", str(min(WARMUP, steps)))
     return train(out, "--data.path", str(corpus), "--optim.max_steps", str(steps), "--checkpoint.every", str(steps),
                  *flags, **kw)
 
@@ -203,6 +205,7 @@ def exported(work, trained):
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(hf)], capture_output=True,
                        text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == "", r.stderr[-3000:]  # no warning (DCP's "torch.distributed is disabled ..." among them)
     return hf
 
 
@@ -242,6 +245,7 @@ def test_greedy_generate_equals_transformers(trained, transformers_oracle):
                         "--tokens", str(NEW_TOKENS), "--temperature", "0"],
                        capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == "", r.stderr[-3000:]  # no warning
     text = r.stdout[:-1]  # print's newline
     ids = transformers_oracle["ids"]
     ids = ids[: ids.index(EOS)] if EOS in ids else ids  # generate stops at end of text and does not show it

@@ -1,8 +1,5 @@
 """The ``torchspmd`` command: ``train``, ``explain``, ``export``, ``generate``, ``run``, ``info``
-and ``plan``.
-
-(``plan`` is not part of this version yet.)
-"""
+and ``plan``."""
 
 from __future__ import annotations
 
@@ -122,8 +119,10 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg, ns = from_args(argv)
     if ns.list_presets:
+        from torchspmd.train.config import PRESET_TARGETS
+
         for name, over in PRESETS.items():
-            print(f"{name}: {over or '(the defaults)'}")
+            print(f"{name}: {over or '(the defaults)'}\n    meant for {PRESET_TARGETS[name].hardware}")
         return 0
     if ns.print_config:
         print(cfg.to_toml())

@@ -78,7 +78,8 @@ def test_hf_finetune_example_on_xla(tmp_path):
 TRAIN = ["--data.max_bytes", "200000", "--data.seq_len", "32", "--model.max_seq_len", "32", "--model.dim", "64",
          "--model.num_layers", "2", "--model.intermediate_size", "96", "--optim.batch_size", "8",
          "--logging.every", "1", "--logging.eval_every", "2", "--logging.eval_batches", "2",
-         "--logging.sample_tokens", "0", "--logging.tensorboard", "false", "--checkpoint.every", "2"]
+         "--logging.sample_tokens", "0", "--logging.tensorboard", "false", "--checkpoint.every", "2",
+         "--optim.warmup_steps", "2"]
 
 
 def train(engine: str, out: Path, *args: str) -> dict[int, dict]:

@@ -31,6 +31,7 @@ class ModelConfig:
     num_kv_heads: int = _f(0, "key/value heads (0: as many as attention heads)")
     intermediate_size: int = _f(384, "MLP hidden size")
     max_seq_len: int = _f(256, "positions the model supports")
+    vocab_size: int = _f(0, "embedding rows (0: the tokenizer's vocabulary size); at least the tokenizer's")
     dropout: float = _f(0.0, "dropout probability (every dropout of the architecture)")
     meta_init: bool = _f(False, "build the model on the meta device and initialise each shard where it "
                                 "lives: the whole model never exists on one device")
@@ -82,7 +83,7 @@ class PrecisionConfig:
 @dataclass
 class CheckpointConfig:
     every: int = _f(100, "save a checkpoint every this many steps (and at the end)")
-    keep: int = _f(2, "checkpoints to keep (the newest)")
+    keep: int = _f(2, "checkpoints to keep (the newest; 0: all)")
     resume: str = _f("auto", "'auto' (continue from the newest checkpoint in out_dir if any), 'none', "
                              "or a checkpoint directory")
 
@@ -153,10 +154,29 @@ PRESETS: dict[str, dict] = {
                  "precision": {"dtype": "bf16", "checkpointing": True}},
     "llama2-7b": {"out_dir": "runs/llama2-7b",
                   "model": {"dim": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008,
-                            "max_seq_len": 4096, "meta_init": True},
+                            "max_seq_len": 4096, "vocab_size": 32000, "meta_init": True},
                   "data": {"seq_len": 4096, "max_bytes": 0},
-                  "optim": {"lr": 3e-4, "batch_size": 512, "max_steps": 20000, "warmup_steps": 2000},
+                  "optim": {"lr": 3e-4, "batch_size": 512, "grad_accum": 8, "max_steps": 20000, "warmup_steps": 2000},
                   "precision": {"dtype": "bf16", "checkpointing": True}},
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a preset is meant to run: its defaults fit there per ``torchspmd plan``
+    (checked by the test suite)."""
+    devices: int
+    memory_gb: float  # per device (a CPU process: its share of the host's memory)
+    hardware: str
+
+
+PRESET_TARGETS: dict[str, Target] = {
+    "tiny": Target(2, 4, "2 CPU processes (a laptop), 4 GB each"),
+    "seed-tiny": Target(2, 4, "2 CPU processes (a laptop), 4 GB each"),
+    "small": Target(1, 24, "one 24 GB GPU (L4, A10, RTX 4090)"),
+    "llama-1b": Target(8, 40, "8 x 40 GB GPUs (A100 40 GB)"),
+    "llama2-7b": Target(8, 80, "8 x 80 GB GPUs (A100 80 GB, H100); Llama-2's tokenizer "
+                               "(data.tokenizer = its tokenizer.json, 32000 tokens)"),
 }
 
 
@@ -181,7 +201,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict, source: str) -> None:
     top = {f.name: f for f in fields(TrainConfig)}
     for key, value in overrides.items():
         if key not in top:
-            raise SpmdError(f"{source}: unknown config key {key!r}; known: {', '.join(sorted(top))}")
+            raise SpmdError(f"{source}: unknown config key {key!r}{did_you_mean(key, top)}; known: "
+                            f"{', '.join(sorted(top))}")
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise SpmdError(f"{source}: [{key}] must be a table of settings")
@@ -189,7 +210,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict, source: str) -> None:
             known = {f.name: f for f in fields(section)}
             for k, v in value.items():
                 if k not in known:
-                    raise SpmdError(f"{source}: unknown config key {key}.{k}; [{key}] has {', '.join(sorted(known))}")
+                    raise SpmdError(f"{source}: unknown config key {key}.{k}{did_you_mean(k, known)}; [{key}] has "
+                                    f"{', '.join(sorted(known))}")
                 setattr(section, k, _coerce(v, known[k].type, f"{source}: {key}.{k}"))
         else:
             setattr(cfg, key, _coerce(value, top[key].type, f"{source}: {key}"))
@@ -197,7 +219,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict, source: str) -> None:
 
 def preset(name: str) -> TrainConfig:
     if name not in PRESETS:
-        raise SpmdError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise SpmdError(f"preset = {name!r}: unknown preset{did_you_mean(name, PRESETS)}; choose one of "
+                        f"{', '.join(PRESETS)} (torchspmd train --list-presets describes them)")
     cfg = TrainConfig(preset=name)
     apply_overrides(cfg, PRESETS[name], f"preset {name!r}")
     return cfg
@@ -223,8 +246,8 @@ def load_toml(path: str | Path) -> dict:
 
 
 def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
+    p = _Parser(
+        prog=prog, allow_abbrev=False,
         description="Pretrain or fine-tune a decoder language model with FSDPv2 on every local device. "
                     "Settings come from a preset, then a TOML file, then these flags.",
     )
@@ -246,9 +269,31 @@ def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one ``SpmdError`` line (no usage dump), unknown
+    options answered with the closest known ones."""
+
+    def error(self, message: str):
+        raise SpmdError(f"{self.prog.removeprefix('torchspmd ')}: {message} (--help lists the settings)")
+
+
+def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    if not unknown:
+        return
+    bad = unknown[0]
+    option = bad.split("=", 1)[0]
+    if not option.startswith("-"):
+        raise SpmdError(f"{parser.prog.removeprefix('torchspmd ')}: unexpected argument {bad!r}: settings are given as --section.name VALUE "
+                        f"(e.g. --optim.lr 1e-3)")
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    raise SpmdError(f"{parser.prog.removeprefix('torchspmd ')}: unknown option {option}{did_you_mean(option, known)} "
+                    f"(--help lists the settings)")
+
+
 def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    _unknown_options(parser, unknown)
     values = {k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "list_presets", "print_config")}
     cfg = preset(values.pop("preset", "tiny"))
     if ns.config:
@@ -267,34 +312,128 @@ def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     return cfg, ns
 
 
+def did_you_mean(name: str, choices, n: int = 3) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in choices}
+        close = [lowered[name.lower()]] if name.lower() in lowered else []
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def causal_lm_types() -> list[str]:
+    """The model types transformers can build as a causal language model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _check_model_name(name: str) -> None:
+    if name == "seed":
+        return
+    try:
+        known = causal_lm_types()
+    except ImportError:
+        raise SpmdError(f"model.name = {name!r} needs transformers: pip install 'torchspmd[train]' "
+                        f"(or model.name = 'seed', torchspmd's own decoder)") from None
+    if name not in known:
+        hint = did_you_mean(name, ["seed", *known])
+        raise SpmdError(f"model.name = {name!r}: not a causal language model type transformers knows{hint}; "
+                        f"choose 'seed' (torchspmd's decoder) or one of transformers' types (llama, mistral, qwen2, "
+                        f"gemma, gpt2, ...)")
+
+
+# (setting, lowest, highest or None, what it is): the inclusive range validate checks.
+_RANGES = [
+    ("model.dim", 1, None, "the hidden size"), ("model.num_layers", 1, None, "decoder layers"),
+    ("model.num_heads", 1, None, "attention heads"), ("model.num_kv_heads", 0, None, "key/value heads, 0 for all"),
+    ("model.intermediate_size", 1, None, "the MLP size"), ("model.max_seq_len", 1, None, "positions"),
+    ("model.vocab_size", 0, None, "embedding rows, 0 for the tokenizer's"),
+    ("data.seq_len", 1, None, "tokens per sequence"), ("data.max_bytes", 0, None, "bytes to read, 0 for all"),
+    ("optim.min_lr_ratio", 0, 1, "the final learning rate as a fraction of the peak"),
+    ("optim.warmup_steps", 0, None, "warm-up steps"), ("optim.max_steps", 1, None, "steps"),
+    ("optim.weight_decay", 0, None, "the weight decay"), ("optim.grad_clip", 0, None, "the clipping norm, 0 for off"),
+    ("optim.batch_size", 1, None, "sequences per step"), ("optim.grad_accum", 1, None, "micro-batches per step"),
+    ("optim.max_bad_steps", 1, None, "non-finite steps tolerated"),
+    ("mesh.data", 1, None, "the 'data' axis size"), ("mesh.model", 1, None, "the 'model' axis size, 1 for none"),
+    ("checkpoint.every", 1, None, "steps between checkpoints"), ("checkpoint.keep", 0, None, "checkpoints kept, 0 for all"),
+    ("logging.every", 1, None, "steps between log lines"), ("logging.eval_every", 1, None, "steps between evaluations"),
+    ("logging.eval_batches", 1, None, "batches per evaluation"),
+    ("logging.sample_tokens", 0, None, "tokens to sample, 0 for none"),
+    ("seed", 0, 2**32 - 1, "the random seed"),
+]
+
+
+def _get(cfg: TrainConfig, name: str):
+    obj = cfg
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def validate(cfg: TrainConfig) -> None:
+    """Every check of the settings alone (no machine, no process group): types were checked
+    when they were set; here ranges, choices and the settings against each other. The first
+    failing rule raises one ``SpmdError`` naming the setting and the fix."""
+    import math
+
     m, d, o = cfg.model, cfg.data, cfg.optim
-    for name, value in [("model.dim", m.dim), ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
-                        ("data.seq_len", d.seq_len), ("optim.batch_size", o.batch_size),
-                        ("optim.max_steps", o.max_steps), ("optim.grad_accum", o.grad_accum),
-                        ("mesh.data", cfg.mesh.data), ("optim.max_bad_steps", o.max_bad_steps)]:
-        if value < 1:
-            raise SpmdError(f"{name} = {value}: must be at least 1")
     if cfg.mesh.devices < 0:
         raise SpmdError(f"mesh.devices = {cfg.mesh.devices}: give the number of devices (processes), "
                         f"or 0 for every CUDA device (else 2 CPU processes)")
-    if not m.pretrained and m.dim % m.num_heads:
-        raise SpmdError(f"model.dim = {m.dim} is not divisible by model.num_heads = {m.num_heads}")
-    if d.seq_len > m.max_seq_len and not m.pretrained:
-        raise SpmdError(
-            f"data.seq_len = {d.seq_len} is beyond the model's positions (model.max_seq_len = {m.max_seq_len}); "
-            f"lower data.seq_len or raise model.max_seq_len"
-        )
+    for name, low, high, what in _RANGES:
+        v = _get(cfg, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SpmdError(f"{name} = {v}: give a finite number ({what})")
+        if v < low or (high is not None and v > high):
+            bound = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise SpmdError(f"{name} = {v}: must be {bound} ({what})")
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise SpmdError(f"optim.lr = {o.lr}: give a positive learning rate (e.g. 3e-4)")
+    for name, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= v < 1:
+            raise SpmdError(f"{name} = {v}: AdamW's betas are in [0, 1) (usual: beta1 0.9, beta2 0.95-0.999)")
+    if not 0 <= m.dropout < 1:
+        raise SpmdError(f"model.dropout = {m.dropout}: give a probability in [0, 1)")
+    if o.warmup_steps > o.max_steps:
+        raise SpmdError(f"optim.warmup_steps = {o.warmup_steps} is more than optim.max_steps = {o.max_steps}: the "
+                        f"learning rate would never reach its peak; lower optim.warmup_steps or raise optim.max_steps")
+    if not 0 <= d.eval_fraction < 0.5:
+        raise SpmdError(f"data.eval_fraction = {d.eval_fraction}: choose a value in [0, 0.5) (0: no evaluation)")
+    if cfg.precision.dtype not in ("fp32", "bf16"):
+        raise SpmdError(f"precision.dtype = {cfg.precision.dtype!r}: choose 'fp32' or 'bf16'"
+                        + did_you_mean(cfg.precision.dtype, ["fp32", "bf16"]))
+    if o.batch_size % o.grad_accum:
+        raise SpmdError(f"optim.batch_size = {o.batch_size} is not divisible by optim.grad_accum = {o.grad_accum}; "
+                        f"choose a batch size that is a multiple of it")
+    if not m.pretrained:
+        _check_model_name(m.name)
+        if m.dim % m.num_heads:
+            raise SpmdError(f"model.dim = {m.dim} is not divisible by model.num_heads = {m.num_heads}")
+        if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+            raise SpmdError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = "
+                            f"{m.num_kv_heads}; choose a divisor of it (0: as many as attention heads)")
+        if d.seq_len > m.max_seq_len:
+            raise SpmdError(
+                f"data.seq_len = {d.seq_len} is beyond the model's positions (model.max_seq_len = {m.max_seq_len}); "
+                f"lower data.seq_len or raise model.max_seq_len"
+            )
+    elif not Path(m.pretrained).is_dir():
+        raise SpmdError(f"model.pretrained = {m.pretrained!r}: no such directory")
+    elif m.vocab_size:
+        raise SpmdError(f"model.vocab_size = {m.vocab_size} with model.pretrained = {m.pretrained!r}: a pretrained "
+                        f"model keeps its own vocabulary; set model.vocab_size = 0")
     if d.path and not Path(d.path).exists():
         raise SpmdError(f"data.path = {d.path!r}: no such file or directory")
-    if m.pretrained and not Path(m.pretrained).is_dir():
-        raise SpmdError(f"model.pretrained = {m.pretrained!r}: no such directory")
-    if not 0 <= d.eval_fraction < 0.5:
-        raise SpmdError(f"data.eval_fraction = {d.eval_fraction}: choose a value in [0, 0.5)")
-    if cfg.precision.dtype not in ("fp32", "bf16"):
-        raise SpmdError(f"precision.dtype = {cfg.precision.dtype!r}: choose 'fp32' or 'bf16'")
-    if o.batch_size % o.grad_accum:
-        raise SpmdError(f"optim.batch_size = {o.batch_size} is not divisible by optim.grad_accum = {o.grad_accum}")
+    if d.tokenizer != "byte" and not Path(d.tokenizer).exists():
+        raise SpmdError(f"data.tokenizer = {d.tokenizer!r}: no such file or directory; give 'byte' or a local "
+                        f"tokenizer.json / transformers tokenizer directory")
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "none") and not Path(r).is_dir():
+        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory; give a step-NNNNNNNN directory "
+                        f"under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) or 'none'")
 
 
 def _check_backend(cfg: TrainConfig) -> str:
@@ -347,14 +486,15 @@ def preflight(cfg: TrainConfig) -> None:
 
     world = planned_devices(cfg)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
-    if cfg.mesh.model < 1:
-        raise SpmdError(f"mesh.model = {cfg.mesh.model}: give the size of the 'model' axis, 1 or more "
-                        f"(1: no tensor parallelism)")
     if world is not None:
         mesh_checks(cfg, world)
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     if cfg.model.pretrained:
         _check_pretrained(cfg, tokenizer)
+    else:
+        from torchspmd.train.models import model_vocab
+
+        model_vocab(cfg.model, tokenizer)
     if not runtime._launched():
         tokens = tdata.load_tokens(cfg.data, tokenizer, Path(cfg.out_dir) / "cache")
         tdata.check_corpus(len(tokens), cfg.data, cfg.optim)

@@ -10,7 +10,7 @@ from torchspmd import checkpoint as ckpt
 from torchspmd._errors import SpmdError
 from torchspmd.train import data as tdata
 from torchspmd.train.config import TrainConfig, apply_overrides, load_toml
-from torchspmd.train.models import build_model, logits_of
+from torchspmd.train.models import build_model, model_vocab, logits_of
 
 
 def _resolve(path: str) -> Path:
@@ -32,7 +32,7 @@ def load_plain_model(path: str):
     apply_overrides(cfg, load_toml(ck / "config.toml"), f"{ck}/config.toml")
     cfg.model.meta_init = False
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
-    model, info = build_model(cfg.model, tokenizer.vocab_size)
+    model, info = build_model(cfg.model, model_vocab(cfg.model, tokenizer))
     ckpt.load_full_model_state(ck, model)
     return model.eval(), cfg, tokenizer, info
 

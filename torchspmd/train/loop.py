@@ -18,7 +18,7 @@ from torchspmd import checkpoint as ckpt
 from torchspmd._errors import SpmdError
 from torchspmd.train import data as tdata
 from torchspmd.train.config import TrainConfig
-from torchspmd.train.models import build_model, init_weights, layer_classes, logits_of
+from torchspmd.train.models import build_model, model_vocab, init_weights, layer_classes, logits_of
 
 # Dense bf16 peak FLOP/s per device, for model FLOPs utilisation; other devices report none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
@@ -233,6 +233,54 @@ def _materialize(model, kind: str, seed: int, rank: int) -> None:
     torch.manual_seed(seed)
 
 
+def _device_memory() -> tuple[float, str] | None:
+    """Bytes of memory one device has, and what they are: a CUDA device's total, a CPU
+    process's share of the host's physical memory; None on XLA (unknown here)."""
+    if ts.backend() == "cuda":
+        return float(torch.cuda.get_device_properties(ts.device()).total_memory), "this GPU's memory"
+    if ts.backend() == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total / local, f"this host's memory shared by {local} process{'es' if local > 1 else ''}"
+    return None
+
+
+def _announce_plan(cfg: TrainConfig, world: int) -> None:
+    """Rank 0, before training: ``torchspmd plan``'s prediction of this run's peak memory per
+    device, and a warning (with the planner's proposal) when it will not fit."""
+    import sys
+
+    from torchspmd import plan
+
+    if cfg.mesh.model > 1:
+        print("plan: no memory prediction (the planner does not model a 'model' axis)")
+        return
+    try:
+        facts = plan.config_facts(cfg)
+    except Exception as e:  # the prediction is an aid: a model the planner cannot probe still trains
+        print(f"plan: no memory prediction (the planner could not probe this model: {type(e).__name__}: {e})")
+        return
+    strategy = "FSDPv2 + checkpointing" if cfg.precision.checkpointing else "FSDPv2"
+    o = cfg.optim
+    total = plan.estimate(facts, world, o.batch_size, cfg.data.seq_len, cfg.precision.dtype, "adamw",
+                          o.grad_accum)[strategy]["total"]
+    rows = o.batch_size // o.grad_accum // world
+    memory = _device_memory()
+    of = f" of {memory[0] / 2**30:.1f} GB ({memory[1]})" if memory else ""
+    print(f"plan: {total / 2**30:.2f} GB per device predicted{of}: {strategy}, {rows} x {cfg.data.seq_len} tokens "
+          f"per device per micro-batch, {cfg.precision.dtype}, AdamW (torchspmd plan shows the parts)")
+    if memory and total > plan.HEADROOM * memory[0]:
+        proposal = plan.propose(facts, world, o.batch_size, cfg.data.seq_len, memory[0], cfg.precision.dtype,
+                                "adamw", strategy, ladder=plan.LADDER[:2])  # (train has no CPU offload)
+        fix = (f"The planner proposes {plan._describe(proposal)}: set optim.grad_accum = {proposal.grad_accum}"
+               f"{' and precision.checkpointing = true' if proposal.strategy != strategy else ''}"
+               f"{f' and run on {proposal.devices} devices' if proposal.devices_changed else ''}." if proposal else
+               "Nothing the planner knows fits: lower data.seq_len or use a 'model' axis.")
+        print(f"torchspmd: warning: this run is predicted to need {total / 2**30:.1f} GB per device, more than "
+              f"{plan.HEADROOM:.0%} of the {memory[0] / 2**30:.1f} GB each device has; it will likely run out of "
+              f"memory. {fix}", file=sys.stderr, flush=True)
+
+
 def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     r = cfg.checkpoint.resume
     if r == "none":
@@ -282,7 +330,7 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
 
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
-    model, info = build_model(cfg.model, tokenizer.vocab_size)
+    model, info = build_model(cfg.model, model_vocab(cfg.model, tokenizer))
     vocab = info["config"].vocab_size if info["config"] is not None else tokenizer.vocab_size
     if tokenizer.vocab_size > vocab:
         raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
@@ -295,6 +343,8 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     from torchspmd.train.config import mesh_checks
 
     mesh_checks(cfg, world)
+    if rank == 0:
+        _announce_plan(cfg, world)
     tp = cfg.mesh.model
     if tp > 1:
         shape = (cfg.mesh.data, world // (cfg.mesh.data * tp), tp)

@@ -71,6 +71,16 @@ def pretrained_config(path: str):
                         f"directory written by save_pretrained (config.json and the weights)") from None
 
 
+def model_vocab(cfg, tokenizer) -> int:
+    """The embedding rows of a model built from settings: ``model.vocab_size``, or the
+    tokenizer's vocabulary when it is 0."""
+    if cfg.vocab_size and cfg.vocab_size < tokenizer.vocab_size:
+        raise SpmdError(f"model.vocab_size = {cfg.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} "
+                        f"tokens: ids from {cfg.vocab_size} up would have no embedding; raise it to at least "
+                        f"{tokenizer.vocab_size} or set 0 (the tokenizer's size)")
+    return cfg.vocab_size or tokenizer.vocab_size
+
+
 def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     """The model (parameters on meta if ``cfg.meta_init``) and a description: kind,
     max positions, the hf config (or None)."""
