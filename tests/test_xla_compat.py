@@ -170,6 +170,12 @@ def test_sharding_strings_follow_xlas_text(api):
     want = [_hlo.from_partition_spec(np.array(ids).reshape(shape), names, pspec)
             for shape, names, ids, _, pspec in cases.CASES]
     assert api["strings"] == want
+
+
+def test_mark_sharding_with_gradients_under_the_switch(api):
+    spec, gradient_ok = api["with_gradients"]
+    # the text of the first sharding case (the same mesh and spec), which torch_xla's own is checked against
+    assert gradient_ok and spec == api["strings"][0], (spec, api["strings"][0])
     assert api["plain_spec"] == ""
     assert api["fsdp_param_specs"] == ["{devices=[4,1]0,1,2,3}", "{devices=[4]0,1,2,3}"]
     assert api["in_place"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
@@ -194,7 +200,6 @@ EQUIVALENT = {
     "xla_backend": "torch.distributed",
     "ParallelLoader": "MpDeviceLoader",
     "XlaFullyShardedDataParallel": "SpmdFullyShardedDataParallel",
-    "mark_sharding_with_gradients": "torch_xla.distributed.spmd.mark_sharding",
     "syncfree": "torch.optim",
     "use_spmd(auto=True)": "xs.mark_sharding",
     "_XLAC._xla_get_default_device": None,

@@ -31,6 +31,7 @@ from torchspmd.sharding import (
     clear_sharding,
     get_sharding,
     mark_sharding,
+    mark_sharding_with_gradients,
     visualize_sharding,
     visualize_tensor_sharding,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "set_global_mesh",
     "get_global_mesh",
     "mark_sharding",
+    "mark_sharding_with_gradients",
     "explain",
     "clear_sharding",
     "get_sharding",

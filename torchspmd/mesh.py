@@ -37,9 +37,18 @@ class Mesh(metaclass=OnXla):
     _xla_factory = "mesh"
 
     def __init__(self, device_ids, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None):
-        ids = np.asarray(device_ids)
-        if ids.ndim != 1:
-            ids = ids.reshape(-1)
+        # Any order of the ids (np.flip, a transposed array, a custom tile assignment): a C-ordered
+        # copy, so that negative or non-contiguous strides reach no tensor.
+        ids = np.ascontiguousarray(np.asarray(device_ids).reshape(-1))
+        if runtime.is_spmd() or runtime._launched():
+            # torch_xla's rule, checked where torch_xla checks it: a mesh spans every device.
+            n = runtime.global_runtime_device_count()
+            if len(ids) != n:
+                raise SpmdError(
+                    f"Mesh: Number of device IDs ({len(ids)}) must match the global number of devices ({n}): "
+                    f"mesh_shape {mesh_shape!r} is not mappable over {n} devices; build the mesh over "
+                    f"np.arange(global_runtime_device_count()) with a mesh_shape whose product is {n}"
+                )
         try:
             shape = tuple(int(s) for s in mesh_shape)
         except TypeError:
@@ -50,39 +59,34 @@ class Mesh(metaclass=OnXla):
             axis_names = tuple(axis_names)
             if len(axis_names) != len(shape):
                 raise SpmdError(
-                    f"Mesh(axis_names={axis_names}): {len(axis_names)} names for a mesh_shape of "
-                    f"{len(shape)} axes {shape}; give one name per axis"
+                    f"Number of axis names ({len(axis_names)}) must match mesh dimensions ({len(shape)}): "
+                    f"Mesh(axis_names={axis_names}) for a mesh_shape of {len(shape)} axes {shape}; give one name "
+                    f"per axis"
                 )
             if not all(isinstance(n, str) and n for n in axis_names):
                 raise SpmdError(f"Mesh(axis_names={axis_names}): axis names must be non-empty strings")
             dup = sorted({n for n in axis_names if axis_names.count(n) > 1})
             if dup:
-                raise SpmdError(f"Mesh(axis_names={axis_names}): axis name {dup[0]!r} is repeated; names must be unique")
+                raise SpmdError(f"Axis names must be unique, got: {axis_names}: Mesh(axis_names=...) repeats "
+                                f"{dup[0]!r}; give each axis its own name")
         if len(ids) != int(np.prod(shape)):
             raise SpmdError(
-                f"Mesh: {len(ids)} device_ids do not fill mesh_shape {shape} "
-                f"(product {int(np.prod(shape))}); the product of mesh_shape must equal the number of devices"
+                f"Number of device IDs ({len(ids)}) must match mesh size ({int(np.prod(shape))}): Mesh: "
+                f"{len(ids)} device_ids do not fill mesh_shape {shape}; the product of mesh_shape must equal "
+                f"the number of devices"
             )
         if not np.issubdtype(ids.dtype, np.integer):
             raise SpmdError(f"Mesh(device_ids=...): device ids must be integers, got dtype {ids.dtype}")
         uniq, counts = np.unique(ids, return_counts=True)
         if (counts > 1).any():
-            raise SpmdError(f"Mesh(device_ids=...): device id {int(uniq[counts > 1][0])} appears more than once")
+            raise SpmdError(f"Device IDs must be unique, got: {ids}: Mesh(device_ids=...) lists device "
+                            f"{int(uniq[counts > 1][0])} more than once; give each device once")
         bad = [int(d) for d in ids if d < 0 or d >= len(ids)]
         if bad:
             raise SpmdError(
-                f"Mesh(device_ids=...): device id {bad[0]} is out of range; ids must be 0..{len(ids) - 1} "
-                f"for a mesh of {len(ids)} devices"
+                f"Device IDs must be less than mesh size ({len(ids)}), got: {ids}: Mesh(device_ids=...) device "
+                f"id {bad[0]} is out of range; ids must be 0..{len(ids) - 1} for a mesh of {len(ids)} devices"
             )
-        if runtime.is_spmd() or runtime._launched():
-            # torch_xla's rule, checked where torch_xla checks it: a mesh spans every device.
-            n = runtime.global_runtime_device_count()
-            if len(ids) != n:
-                raise SpmdError(
-                    f"Mesh: Number of device IDs ({len(ids)}) must match the global number of devices ({n}): "
-                    f"mesh_shape {shape} is not mappable over {n} devices; build the mesh over np.arange(global_runtime_device_count()) with a mesh_shape whose "
-                    f"product is {n}"
-                )
         self.device_ids = ids
         self.mesh_shape = shape
         self.axis_names = axis_names
@@ -133,16 +137,57 @@ class Mesh(metaclass=OnXla):
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
-            self._device_mesh = DeviceMesh(
-                runtime.device_type(),
-                torch.as_tensor(self.get_logical_mesh(), dtype=torch.int64),
-                mesh_dim_names=self.axis_names,
-            )
-            _flatten_spans(self._device_mesh)
+            logical = self.get_logical_mesh()
+            if np.array_equal(logical.reshape(-1), np.arange(n)):
+                self._device_mesh = DeviceMesh(runtime.device_type(), torch.as_tensor(logical, dtype=torch.int64),
+                                               mesh_dim_names=self.axis_names)
+                _flatten_spans(self._device_mesh)
+            else:
+                self._device_mesh = _reordered_device_mesh(logical, self.axis_names)
         return self._device_mesh
 
 
-def _flatten_spans(dmesh) -> None:
+def _reordered_device_mesh(logical: np.ndarray, axis_names):
+    """A DeviceMesh over devices in any order (np.flip, a transposed array, a custom tile
+    assignment). DTensor places a shard by the process's coordinate in the mesh, and its
+    collectives order a group's members by their rank within the process group; torch's
+    DeviceMesh builds its groups from sorted ranks (and reuses the world group for an axis
+    spanning every process), so the two disagree on such a mesh and values come out
+    permuted. Here every group (each axis, each flattened run of axes) lists its members
+    in mesh order (``new_group(sort_ranks=False)``, forced past the world-group shortcut by
+    naming the backend)."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh_module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        raise SpmdError(
+            f"Mesh(device_ids=...): devices in an order other than 0..{logical.size - 1} need process groups that "
+            f"keep that order (torch.distributed.new_group(sort_ranks=False)), which torch {torch.__version__} "
+            f"lacks; upgrade torch, or build the mesh over np.arange({logical.size}) (the same shape: only which "
+            f"process holds which block changes)"
+        )
+    backend = dist.get_backend()
+    original = device_mesh_module.new_group
+
+    def in_mesh_order(*args, **kwargs):
+        kwargs["sort_ranks"] = False
+        return original(*args, **kwargs)
+
+    device_mesh_module.new_group = in_mesh_order
+    try:
+        dmesh = DeviceMesh(runtime.device_type(), torch.as_tensor(logical, dtype=torch.int64),
+                           mesh_dim_names=axis_names, backend_override=tuple((backend, None) for _ in logical.shape))
+        _flatten_spans(dmesh, backend)
+    finally:
+        device_mesh_module.new_group = original
+    return dmesh
+
+
+def _flatten_spans(dmesh, backend: str | None = None) -> None:
     """Flattened meshes over every run of consecutive axes: with them DTensor moves a value
     sharded (or pending a sum) over several axes with one collective over their devices,
     not one per axis (which torch warns about: "flatten mesh dimensions")."""
@@ -153,7 +198,7 @@ def _flatten_spans(dmesh) -> None:
     for start in range(len(names)):
         for stop in range(start + 2, len(names) + 1):
             span = tuple(names[start:stop])
-            (dmesh if len(span) == len(names) else dmesh[span])._flatten("_".join(span))
+            (dmesh if len(span) == len(names) else dmesh[span])._flatten("_".join(span), backend_override=backend)
 
 
 class HybridMesh(Mesh):

@@ -90,9 +90,13 @@ def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = N
                 raise SpmdError(f"{where} = {entry!r}: partition spec cannot contain nested tuples")
             axes = tuple(_axis_index(mesh, x, where) for x in entry)
             if mesh_order and list(axes) != sorted(axes):
+                names = tuple(mesh.shape().keys())
+                ordered = tuple(entry[i] for i in sorted(range(len(axes)), key=lambda i: axes[i]))
                 raise SpmdError(
-                    f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order "
-                    f"{tuple(mesh.shape().keys())}; reorder the tuple (or the mesh axes)"
+                    f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order {names}: DTensor "
+                    f"splits a dim over several mesh axes outermost-first in mesh order, and one tensor cannot "
+                    f"use another device order than the mesh's. Write {ordered!r} (the same values; only which "
+                    f"device holds which block differs), or build the mesh with its axes in the tuple's order"
                 )
         else:
             axes = (_axis_index(mesh, entry, where),)
@@ -172,6 +176,45 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
         # now holds the sharded tensor, so the result need not be assigned back.
         _owners.replace(t, out)
     return out
+
+
+class _MarkWithGradients(torch.autograd.Function):
+    """The value re-laid out as ``placements``; backward lays its gradient out the same way
+    (which is also the gradient its input receives)."""
+
+    @staticmethod
+    def forward(ctx, t, dmesh, placements):
+        ctx.dmesh, ctx.placements = dmesh, placements
+        return t.redistribute(dmesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(ctx.placements):
+            grad = grad.redistribute(ctx.dmesh, ctx.placements)
+        return grad, None, None
+
+
+@on_xla
+def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> DTensor:
+    """torch_xla's ``mark_sharding_with_gradients``: a new tensor (``t`` is not changed) with
+    ``t``'s value sharded as ``partition_spec``, whose gradient in backward is sharded the
+    same way, and so is the gradient ``t`` receives when ``t`` is a DTensor (a plain tensor
+    gets its gradient whole, as every plain tensor in the global view). Differentiable; for
+    activations inside a model as much as for leaves."""
+    runtime._require_spmd("mark_sharding_with_gradients")
+    if not isinstance(t, torch.Tensor):
+        raise SpmdError(f"mark_sharding_with_gradients: t must be a torch.Tensor, got {type(t).__name__}")
+    resolved = resolve_partition_spec(mesh, partition_spec, t.dim(), "mark_sharding_with_gradients")
+    placements = tuple(spec_to_placements(mesh, resolved))
+    dmesh = mesh.device_mesh
+    if isinstance(t, DTensor):
+        if t.device_mesh != dmesh:
+            raise SpmdError("mark_sharding_with_gradients: the tensor is sharded over another mesh; call "
+                            "clear_sharding(t) first")
+        source = t
+    else:  # the whole value on every process: enters replicated (its gradient comes back whole)
+        source = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False)
+    return _MarkWithGradients.apply(source, dmesh, placements)
 
 
 def _like_param(mesh, placements, grad):

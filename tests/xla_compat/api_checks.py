@@ -88,6 +88,13 @@ if n == 4:
     out["in_place"] = torch_xla._XLAC._get_xla_sharding_spec(owner.weight)
 out["strings"] = strings
 
+# xs.mark_sharding_with_gradients: a sharded copy whose gradient reaches the input
+leaf = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+marked = xs.mark_sharding_with_gradients(leaf, xs.Mesh(np.arange(n), (n,), ("data",)), ("data", None))
+(marked * marked).sum().backward()
+out["with_gradients"] = [torch_xla._XLAC._get_xla_sharding_spec(marked),
+                         bool(torch.allclose(leaf.grad, 2 * leaf.detach()))]
+
 # Checkpoints (torch_xla.experimental.distributed_checkpoint on DCP)
 from torch_xla.experimental import distributed_checkpoint as xc  # noqa: E402
 
@@ -159,8 +166,6 @@ out["errors"] = {
     "xla_backend": error_of(lambda: importlib.import_module("torch_xla.distributed.xla_backend")),
     "ParallelLoader": error_of(from_import("torch_xla.distributed.parallel_loader", "ParallelLoader")),
     "XlaFullyShardedDataParallel": error_of(from_import("torch_xla.distributed.fsdp", "XlaFullyShardedDataParallel")),
-    "mark_sharding_with_gradients": error_of(from_import("torch_xla.distributed.spmd",
-                                                         "mark_sharding_with_gradients")),
     "syncfree": error_of(lambda: importlib.import_module("torch_xla.amp.syncfree")),
     "use_spmd(auto=True)": error_of(lambda: xr.use_spmd(auto=True)),
     "_XLAC._xla_get_default_device": error_of(lambda: torch_xla._XLAC._xla_get_default_device()),

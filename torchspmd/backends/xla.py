@@ -259,6 +259,15 @@ def mark_sharding(t: torch.Tensor, mesh, partition_spec):
     return t
 
 
+def mark_sharding_with_gradients(t: torch.Tensor, mesh, partition_spec):
+    if not isinstance(t, torch.Tensor):
+        raise SpmdError(f"mark_sharding_with_gradients: t must be a torch.Tensor, got {type(t).__name__}")
+    _check_spec(mesh, partition_spec, t.dim(), "mark_sharding_with_gradients")
+    if t.device.type != "xla":
+        t = t.to(_device())
+    return _xs().mark_sharding_with_gradients(t, mesh, tuple(partition_spec))
+
+
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     return _xs().clear_sharding(t)
 

@@ -53,8 +53,6 @@ EQUIVALENTS = {
     "torch_xla.distributed.parallel_loader.ParallelLoader": "torch_xla.distributed.parallel_loader.MpDeviceLoader",
     "torch_xla.distributed.fsdp.XlaFullyShardedDataParallel":
         "torch_xla.experimental.spmd_fully_sharded_data_parallel.SpmdFullyShardedDataParallel (FSDPv2)",
-    "torch_xla.distributed.spmd.mark_sharding_with_gradients": "torch_xla.distributed.spmd.mark_sharding (a "
-                                                               "parameter's gradient keeps its layout)",
     "torch_xla.debug.profiler.trace": "torch_xla.debug.profiler.start_trace(log_dir) / stop_trace() (no profiler "
                                       "server runs here)",
     "torch_xla.runtime.use_spmd(auto=True)": "annotations (xs.mark_sharding) or FSDPv2: auto-sharding is the XLA "

@@ -11,6 +11,7 @@ from torchspmd import (  # noqa: F401
     get_1d_mesh,
     get_global_mesh,
     mark_sharding,
+    mark_sharding_with_gradients,
     set_global_mesh,
 )
 from torchspmd.compat import not_provided

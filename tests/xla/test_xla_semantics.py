@@ -1,0 +1,69 @@
+"""torch_xla's own answers for the sharded-tensor semantics torchspmd's native engine
+matches (issue #17; the native side: tests/test_xla_semantics.py): mesh errors carry
+torch_xla's messages, and a mesh over reordered device ids puts on each device the block
+at that device's place in the logical mesh."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torch_xla")
+
+MESH_ERRORS = {
+    "global device count": (np.arange(3), (3,), None),
+    "axis names count": (np.arange(4), (2, 2), ("a",)),
+    "unique axis names": (np.arange(4), (2, 2), ("a", "a")),
+    "mesh size": (np.arange(4), (2, 3), None),
+    "unique ids": (np.array([0, 1, 1, 2]), (4,), None),
+    "ids in range": (np.array([0, 1, 2, 7]), (4,), None),
+}
+
+
+@pytest.mark.parametrize("case", MESH_ERRORS)
+def test_native_mesh_errors_contain_torch_xlas_message(ts, case):
+    import torch_xla.distributed.spmd as xs
+
+    from torchspmd.mesh import Mesh
+
+    ids, shape, names = MESH_ERRORS[case]
+    with pytest.raises(AssertionError) as theirs:
+        xs.Mesh(ids, shape, names)
+    with pytest.raises(AssertionError) as ours:  # torchspmd's own Mesh, not the delegation to torch_xla
+        type.__call__(Mesh, ids, shape, names)
+    assert str(theirs.value) in str(ours.value), (str(theirs.value), str(ours.value))
+
+
+@pytest.mark.parametrize("order", ["flip", "transposed", "shuffle"])
+def test_torch_xla_puts_each_block_at_its_devices_place_in_the_mesh(ts, order):
+    """The rule tests/test_xla_semantics.py checks torchspmd's processes against."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    ids = {"flip": np.flip(np.arange(4)), "transposed": np.arange(4).reshape(2, 2).T,
+           "shuffle": np.random.RandomState(0).permutation(4)}[order]
+    shape = (2, 2) if order == "transposed" else (4,)
+    spec = ((0, 1), None) if order == "transposed" else (0, None)
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))  # 7 rows: uneven over 4 devices
+    t = xs.mark_sharding(x.to(torch_xla.device()), xs.Mesh(np.asarray(ids).reshape(-1), shape), spec)
+    logical = np.asarray(ids).reshape(shape)
+    for shard in t.local_shards:
+        device = int(shard.shard_device.split(":")[-1])
+        place = int(np.ravel_multi_index(tuple(int(i) for i in np.argwhere(logical == device)[0]), shape))
+        rows = -(-7 // 4)  # torch_xla pads to ceil(rows / devices) per device
+        got = shard.indices[0]
+        assert (got.start, got.stop) == (place * rows, min(7, (place + 1) * rows)), (order, device, shard.indices)
+        assert torch.equal(shard.unpadded_data.cpu(), x[shard.indices[0]])
+
+
+def test_mark_sharding_with_gradients_is_torch_xlas(ts):
+    import torch_xla
+
+    mesh = ts.Mesh(np.arange(4), (4,), ("x",))
+    w0 = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    w = w0.to(torch_xla.device()).requires_grad_(True)
+    y = ts.mark_sharding_with_gradients(w, mesh, ("x", None))
+    assert "devices=[4,1]" in torch_xla._XLAC._get_xla_sharding_spec(y)
+    (y.sin() * y).sum().backward()
+    plain = w0.clone().requires_grad_(True)
+    (plain.sin() * plain).sum().backward()
+    assert torch.allclose(w.grad.cpu(), plain.grad, rtol=1e-5)
