@@ -137,3 +137,50 @@ def test_mark_sharding_with_gradients(dist, world):
     assert r[:3] == [("S(0)",), "Tensor", True], r
     assert r[3:6] == [("S(0)",), True, ("R",)], r
     assert "mark_sharding_with_gradients" in r[6] and "('x',)" in r[6], r
+
+
+def _train_small_batches(wrapper):
+    """Batches of fewer rows than devices (3 over 4, 1 over 2, and a last one of 1): some
+    processes hold no row of a batch, as a torch_xla device holds only padding. Against plain
+    PyTorch on the same global batches."""
+    import copy
+
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model = copy.deepcopy(plain)
+    if wrapper == "fsdpv2":
+        model = ts.FSDPv2(model, mesh)
+    g = torch.Generator().manual_seed(1)
+    rows = n - 1
+    data = torch.utils.data.TensorDataset(torch.randn(3 * rows + 1, 5, generator=g),
+                                          torch.randn(3 * rows + 1, 3, generator=g))
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=rows), ts.device(),
+                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, plain)]
+    losses, local_rows = [], []
+    for (x, y), (gx, gy) in zip(loader, torch.utils.data.DataLoader(data, batch_size=rows)):
+        local_rows.append(x.to_local().shape[0])
+        pair = []
+        for m, opt, (a, b) in ((model, opts[0], (x, y)), (plain, opts[1], (gx, gy))):
+            loss = torch.nn.functional.mse_loss(m(a), b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss))
+        losses.append(pair)
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(params, plain.parameters()))
+    return losses, close, local_rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("wrapper", ["pattern1", "fsdpv2"])
+def test_batches_smaller_than_the_device_count_train_as_one_device(dist, world, wrapper):
+    results = dist(world).run(_train_small_batches, wrapper)
+    losses = same_on_every_rank([r[0] for r in results])
+    for sharded, plain in losses:
+        assert sharded == pytest.approx(plain, rel=1e-5), losses
+    assert all(r[1] for r in results)
+    assert results[-1][2][0] == 0  # the last process held no row of the first batch

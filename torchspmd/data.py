@@ -94,24 +94,6 @@ class _Layout:
             _, length = _chunk(length, self.mesh.mesh_shape[a], coord[a])
         return length
 
-    def check_rows(self, n: int, where: str) -> None:
-        """Every device must get at least one row (the same verdict on every process)."""
-        if self.row_shards <= 1:
-            return
-        axes = list(self.row_axes)
-        sizes = [self.mesh.mesh_shape[a] for a in axes]
-        for idx in itertools.product(*(range(s) for s in sizes)):
-            if self._rows_at(n, dict(zip(axes, idx))) == 0:
-                names = tuple(self.mesh.axis_label(a) for a in axes)
-                k = self.row_shards
-                raise SpmdError(
-                    f"{self.who}: {where} has {n} rows on dim 0, which cannot be split over the "
-                    f"{k} devices of mesh axes {names}: split like torch.chunk (pieces of "
-                    f"ceil(rows/devices) per axis), the device at {names} = {idx} would get no row. "
-                    f"Use a global batch size divisible by {k}, or drop the odd last batch "
-                    f"(DataLoader(drop_last=True) or fixed_batch_size=True)"
-                )
-
     def spec_for(self, key, t: torch.Tensor) -> ShardingSpec | None:
         if isinstance(self.sharding, dict):
             return self.sharding[key]
@@ -161,10 +143,11 @@ class _SliceBatches:
             n = len(indices)
             if self.first is None:
                 self.first = indices
-            self.layout.check_rows(n, f"a batch of {n} samples")
             start, length = self.layout.rows_of_this_rank(n)
             self.global_sizes.append(n)
-            yield indices[start : start + length]
+            # A process whose block of this batch is empty (3 rows over 4 devices) reads one
+            # row to learn the tensors' other dims and dtypes, and keeps none of it.
+            yield indices[start : start + length] if length else indices[:1]
 
 
 def _can_read_own_rows(loader: Any, layout: _Layout, batchdim: int) -> bool:
@@ -383,12 +366,12 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
         else:
             gshape = tuple(t.shape)
             read_start = None
-            if t.dim() > 0 and any(p.is_shard(0) for p in placements):
-                layout.check_rows(t.shape[0], f"batch {n} (tensor {key!r})" if key else f"batch {n}")
         block = block_of(gshape, layout.mesh.mesh_shape, placements, layout.coord)
         local = t
         for d, (start, length) in enumerate(block):
             if d == 0 and read_start is not None:
+                if length == 0 and global_rows is not None and local.shape[0] == 1:
+                    local = local[:0]  # the stand-in row of a process holding none of this batch
                 if local.shape[0] != length:
                     raise SpmdError(
                         f"MpDeviceLoader: tensor {key!r} of batch {n} has {local.shape[0]} rows for this "

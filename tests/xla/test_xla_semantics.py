@@ -67,3 +67,17 @@ def test_mark_sharding_with_gradients_is_torch_xlas(ts):
     plain = w0.clone().requires_grad_(True)
     (plain.sin() * plain).sum().backward()
     assert torch.allclose(w.grad.cpu(), plain.grad, rtol=1e-5)
+
+
+def test_torch_xla_loader_keeps_a_batch_of_fewer_rows_than_devices_whole(ts):
+    """3 rows over 4 devices: torch_xla pads the shards; its global batch is the 3 rows."""
+    import torch_xla
+    import torch_xla.distributed.parallel_loader as pl
+    import torch_xla.distributed.spmd as xs
+
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    loader = pl.MpDeviceLoader([x], torch_xla.device(),
+                               input_sharding=xs.ShardingSpec(xs.Mesh(np.arange(4), (4,), ("data",)), ("data", None)))
+    (batch,) = list(loader)
+    assert batch.shape == (3, 5) and torch.equal(batch.cpu(), x)
+    assert torch_xla._XLAC._get_xla_sharding_spec(batch).startswith("{devices=[4,1]")
