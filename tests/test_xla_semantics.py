@@ -49,36 +49,44 @@ def test_mesh_over_reordered_device_ids(dist, world):
         assert got == pytest.approx(results[0][3], rel=1e-5), order
 
 
-def _train_on_reordered(order_name):
-    """FSDPv2 with batches from MpDeviceLoader over a mesh in another device order, against
-    plain PyTorch on the same global batches."""
+def _against_plain(mesh, wrapper, rows, n_rows, optimizer):
+    """Train a small MLP on ``n_rows`` random rows in global batches of ``rows`` from
+    MpDeviceLoader over ``mesh`` (``wrapper``: 'fsdpv2' or 'pattern1', no wrapper) and a copy
+    with plain PyTorch on the same global batches: [(its loss, plain loss)] per step,
+    whether the final parameters agree (fp32, rtol 1e-5), this process's rows per batch."""
     import copy
 
-    n = ts.global_runtime_device_count()
-    ids, _, _ = _orders(n)[order_name]
-    mesh = ts.Mesh(np.asarray(ids).reshape(-1), (n, 1), ("fsdp", "model"))
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    sharded = ts.FSDPv2(copy.deepcopy(plain), mesh)
+    model = ts.FSDPv2(copy.deepcopy(plain), mesh) if wrapper == "fsdpv2" else copy.deepcopy(plain)
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(21, 5, generator=g), torch.randn(21, 3, generator=g))
-    batches = list(torch.utils.data.DataLoader(data, batch_size=7))  # 7 rows: uneven over 2 and 4 devices
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=7), ts.device(),
+    data = torch.utils.data.TensorDataset(torch.randn(n_rows, 5, generator=g), torch.randn(n_rows, 3, generator=g))
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=rows), ts.device(),
                                input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, sharded)]
-    losses = []
-    for (x, y), (gx, gy) in zip(loader, batches):
+    opts = [optimizer(m.parameters()) for m in (model, plain)]
+    losses, local_rows = [], []
+    for (x, y), (gx, gy) in zip(loader, torch.utils.data.DataLoader(data, batch_size=rows)):
+        local_rows.append(x.to_local().shape[0])
         pair = []
-        for model, opt, (a, b) in ((sharded, opts[1], (x, y)), (plain, opts[0], (gx, gy))):
-            loss = torch.nn.functional.mse_loss(model(a), b)
+        for m, opt, (a, b) in ((model, opts[0], (x, y)), (plain, opts[1], (gx, gy))):
+            loss = torch.nn.functional.mse_loss(m(a), b)
             loss.backward()
             opt.step()
             opt.zero_grad()
             pair.append(float(loss))
         losses.append(pair)
-    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in sharded.parameters()]
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
     close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(params, plain.parameters()))
-    return losses, close
+    return losses, close, local_rows
+
+
+def _train_on_reordered(order_name):
+    """FSDPv2 with batches from MpDeviceLoader over a mesh in another device order (7 rows
+    per batch: uneven over 2 and 4 devices)."""
+    n = ts.global_runtime_device_count()
+    ids, _, _ = _orders(n)[order_name]
+    mesh = ts.Mesh(np.asarray(ids).reshape(-1), (n, 1), ("fsdp", "model"))
+    return _against_plain(mesh, "fsdpv2", 7, 21, lambda p: torch.optim.SGD(p, lr=0.1))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -141,38 +149,10 @@ def test_mark_sharding_with_gradients(dist, world):
 
 def _train_small_batches(wrapper):
     """Batches of fewer rows than devices (3 over 4, 1 over 2, and a last one of 1): some
-    processes hold no row of a batch, as a torch_xla device holds only padding. Against plain
-    PyTorch on the same global batches."""
-    import copy
-
+    processes hold no row of a batch, as a torch_xla device holds only padding."""
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    model = copy.deepcopy(plain)
-    if wrapper == "fsdpv2":
-        model = ts.FSDPv2(model, mesh)
-    g = torch.Generator().manual_seed(1)
-    rows = n - 1
-    data = torch.utils.data.TensorDataset(torch.randn(3 * rows + 1, 5, generator=g),
-                                          torch.randn(3 * rows + 1, 3, generator=g))
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=rows), ts.device(),
-                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, plain)]
-    losses, local_rows = [], []
-    for (x, y), (gx, gy) in zip(loader, torch.utils.data.DataLoader(data, batch_size=rows)):
-        local_rows.append(x.to_local().shape[0])
-        pair = []
-        for m, opt, (a, b) in ((model, opts[0], (x, y)), (plain, opts[1], (gx, gy))):
-            loss = torch.nn.functional.mse_loss(m(a), b)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss))
-        losses.append(pair)
-    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
-    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(params, plain.parameters()))
-    return losses, close, local_rows
+    return _against_plain(mesh, wrapper, n - 1, 3 * (n - 1) + 1, lambda p: torch.optim.Adam(p, lr=0.01))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -184,3 +164,104 @@ def test_batches_smaller_than_the_device_count_train_as_one_device(dist, world, 
         assert sharded == pytest.approx(plain, rel=1e-5), losses
     assert all(r[1] for r in results)
     assert results[-1][2][0] == 0  # the last process held no row of the first batch
+
+
+def _to_host():
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("x",))
+    x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))  # uneven rows
+    out = ts.mark_sharding(x.clone(), mesh, ("x", None)).sin()
+    host = out.cpu()
+    result = [type(host).__name__, torch.allclose(host, x.sin()),  # torch_xla's check of a result
+              type(out.to(torch.float64)).__name__,  # no device: stays sharded
+              type(out.to("cpu")).__name__]  # a CPU mesh's device: "to the device", unchanged
+    # a module's parameters and buffers keep their layout: model.cpu() / model.to(device) must not unshard it
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 4)
+    lin.register_buffer("scale", torch.arange(4.0))
+    expected = float((lin(torch.ones(2, 3)) * lin.scale).sum())
+    ts.mark_sharding(lin.weight, mesh, ("x", None))
+    ts.mark_sharding(lin.scale, mesh, ("x",))
+    lin.cpu()
+    lin.to(ts.device())
+    with torch.no_grad():
+        got = float((lin(torch.ones(2, 3)) * lin.scale).sum())
+    result += [isinstance(lin.weight, torch.nn.Parameter), str(lin.weight.placements), type(lin.scale).__name__,
+               abs(got - expected) <= 1e-5 * abs(expected)]
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cpu_of_a_sharded_value_is_its_whole_value_and_modules_stay_sharded(dist, world):
+    r = same_on_every_rank(dist(world).run(_to_host))
+    assert r[:4] == ["Tensor", True, "DTensor", "DTensor"], r
+    assert r[4:8] == [True, "(Shard(dim=0),)", "DTensor", True], r
+
+
+def _shards(case):
+    from _xla_shards import expected_shard, spec_of
+
+    name, ids, mesh_shape, shape, dims = case
+    names = ("a", "b")[:len(mesh_shape)]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    t = ts.mark_sharding(x.clone(), ts.Mesh(np.array(ids), mesh_shape, names), spec_of(dims, names))
+    (shard,) = t.local_shards
+    device = int(shard.shard_device.split(":")[-1])
+    kind, indices, padded, replica = expected_shard(ids, mesh_shape, shape, dims, device)
+    got = [device == ts.process_index(), t.global_tensor is t, t.sharding_type.name == kind,
+           shard.replica_id == replica, t.sharding_spec == torchspmd_compat_text(t)]
+    if indices is None:
+        got += [shard.indices is Ellipsis, torch.equal(shard.data, x)]
+    else:
+        got += [[(s.start, s.stop) for s in shard.indices] == indices, tuple(shard.data.shape) == padded and
+                torch.equal(shard.unpadded_data, x[tuple(slice(a, b) for a, b in indices)])]
+    # load_local_shards_: write this process's shard (padded data, as local_shards gives it)
+    shard.unpadded_data = shard.unpadded_data + 1
+    t.load_local_shards_([shard])
+    got.append(torch.equal(t.full_tensor(), x + 1))
+    return got
+
+
+def torchspmd_compat_text(t):
+    from torchspmd.compat._hlo import sharding_string
+
+    return sharding_string(t)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_tensor_api_follows_torch_xlas_rule(dist, world):
+    from _xla_shards import CASES
+
+    for case in [c for c in CASES if len(c[1]) == world]:
+        for rank, got in enumerate(dist(world).run(_shards, case)):
+            assert all(got), (case[0], rank, got)
+
+
+def _manual(shape):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("x",))
+    x0 = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_(True)
+    local = ts.enable_manual_sharding(x, ("x", None), mesh=mesh)  # this process's rows, padded
+    shard_shape = tuple(local.shape)
+    y = ts.disable_manual_sharding(local.sin() * 2, ("x", None), shape, mesh=mesh)  # per-shard code
+    (y * y).sum().backward()
+    plain = x0.clone().requires_grad_(True)
+    p = plain.sin() * 2
+    (p * p).sum().backward()
+    try:
+        ts.disable_manual_sharding(torch.ones(5, 5), ("x", None), shape, mesh=mesh)
+        error = ""
+    except ts.SpmdError as e:
+        error = str(e)
+    return [shard_shape, str(y.placements), torch.allclose(y.full_tensor(), p),
+            type(x.grad).__name__, torch.allclose(x.grad, plain.grad, rtol=1e-5), error]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_manual_sharding_round_trip_equals_one_device(dist, world):
+    shape = (7, 3)  # uneven: torch_xla pads each shard to ceil(7 / devices) rows
+    r = same_on_every_rank(dist(world).run(_manual, shape))
+    assert r[0] == (-(-7 // world), 3), r
+    assert r[1:5] == ["(Shard(dim=0),)", True, "Tensor", True], r
+    assert "disable_manual_sharding: the shard has 5 on dim 0" in r[5], r

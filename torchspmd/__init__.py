@@ -32,10 +32,13 @@ from torchspmd.sharding import (
     get_sharding,
     mark_sharding,
     mark_sharding_with_gradients,
+    enable_manual_sharding,
+    disable_manual_sharding,
     visualize_sharding,
     visualize_tensor_sharding,
 )
 from torchspmd.data import MpDeviceLoader, shard_batch
+from torchspmd.sharded_tensor import ShardingType, XLAShard
 from torchspmd.explain import explain
 from torchspmd.replicate import auto_path, replicate, set_auto_replicate
 from torchspmd.fsdp import (
@@ -81,6 +84,10 @@ __all__ = [
     "get_global_mesh",
     "mark_sharding",
     "mark_sharding_with_gradients",
+    "enable_manual_sharding",
+    "disable_manual_sharding",
+    "ShardingType",
+    "XLAShard",
     "explain",
     "clear_sharding",
     "get_sharding",

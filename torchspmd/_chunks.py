@@ -27,6 +27,20 @@ def block_of(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequen
     return block
 
 
+def tile_shape(shape: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[Sequence[int]]) -> list[int]:
+    """torch_xla's padded shard shape: ``ceil(size / tiles)`` along each dim split over the
+    mesh axes ``dims[d]``. (A dim split over several axes is split like torch.chunk over each
+    in turn here, over their product at once in XLA; the pieces differ only for some uneven
+    sizes, and never exceed this.)"""
+    out = []
+    for size, axes in zip(shape, dims):
+        tiles = 1
+        for a in axes:
+            tiles *= int(mesh_shape[a])
+        out.append(-(-int(size) // tiles))
+    return out
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):

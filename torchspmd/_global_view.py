@@ -88,6 +88,8 @@ class _ReplicateUnannotated(TorchFunctionMode):
         like = _first_dtensor(args, kwargs)
         if like is None:
             return func(*args, **kwargs)
+        if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
+            return _whole_on_host(func, args, kwargs)
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
@@ -111,6 +113,45 @@ def _uneven(x: DTensor) -> bool:
     return any(x.shape[d] % k for d, k in ways.items())
 
 
+
+
+# ``.cpu()`` of a sharded value is its whole value on the host, as torch_xla's ``.cpu()`` of a
+# sharded XLA tensor: what a program compares (``torch.allclose(expected, out.cpu())``) or
+# saves. ``.to(device)`` does the same when it leaves the mesh's device type (a CUDA mesh's
+# value to ``'cpu'``); on a CPU mesh ``.to('cpu')`` is "to the device" (``x.to(xm.xla_device())``
+# in a torch_xla program) and changes nothing. A module's parameters and buffers keep their
+# layout (``model.cpu()``, ``model.to(device)`` must not unshard a model).
+_TO_HOST = {torch.Tensor.cpu, torch.Tensor.to}
+
+
+def _leaves_for_host(func, args, kwargs) -> bool:
+    t = args[0]
+    if isinstance(t, torch.nn.Parameter):
+        return False
+    from torchspmd import _owners
+
+    if _owners._live_slots(t):
+        return False
+    if func is torch.Tensor.cpu:
+        return True
+    device = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, (str, torch.device)):
+            device = a
+        elif isinstance(a, torch.Tensor):
+            device = a.device
+    if device is None:
+        return False
+    return torch.device(device).type == "cpu" and t.device.type != "cpu"
+
+
+def _whole_on_host(func, args, kwargs) -> torch.Tensor:
+    whole = args[0].full_tensor()
+    token = suspend()  # the whole value is a plain tensor: nothing to lift
+    try:
+        return func(whole, *args[1:], **kwargs)
+    finally:
+        resume(token)
 
 
 # Functions that legitimately take a DTensor beside plain tensors.

@@ -16,20 +16,34 @@ import weakref
 import torch
 import torch.nn as nn
 
-# id(tensor) -> (weakref to the tensor, [(weakref to module, slot name, "_parameters"|"_buffers")])
-_SLOTS: dict[int, tuple[weakref.ref, list[tuple[weakref.ref, str, str]]]] = {}
+# id(tensor) -> [(weakref to module, slot name, "_parameters"|"_buffers")]. No reference to the
+# tensor itself, not even a weak one: torch.utils.swap_tensors (which Module._apply uses for
+# DTensor parameters: model.cpu(), model.to(device)) refuses a tensor with a weakref. A slot
+# counts only while the module still holds that very tensor there, so an id reused by a new
+# tensor finds nothing it should not; entries whose modules are gone are pruned as they pile up.
+_SLOTS: dict[int, list[tuple[weakref.ref, str, str]]] = {}
 _installed = False
+_PRUNE_EVERY = 4096
+_records = 0
 
 
 def _record(module: nn.Module, name: str, t, kind: str) -> None:
+    global _records
     if t is None:
         return
-    entry = _SLOTS.get(id(t))
-    if entry is None or entry[0]() is not t:
-        tid = id(t)
-        entry = (weakref.ref(t, lambda _r, tid=tid: _SLOTS.pop(tid, None)), [])
-        _SLOTS[tid] = entry
-    entry[1].append((weakref.ref(module), name, kind))
+    _SLOTS.setdefault(id(t), []).append((weakref.ref(module), name, kind))
+    _records += 1
+    if _records % _PRUNE_EVERY == 0:
+        _prune()
+
+
+def _prune() -> None:
+    for tid in list(_SLOTS):
+        alive = [(ref, name, kind) for ref, name, kind in _SLOTS[tid] if ref() is not None]
+        if alive:
+            _SLOTS[tid] = alive
+        else:
+            del _SLOTS[tid]
 
 
 def install() -> None:
@@ -46,12 +60,10 @@ def install() -> None:
 
 def _live_slots(t: torch.Tensor) -> list[tuple[nn.Module, str, str]]:
     found = []
-    entry = _SLOTS.get(id(t))
-    if entry is not None and entry[0]() is t:
-        for ref, name, kind in entry[1]:
-            m = ref()
-            if m is not None and getattr(m, kind).get(name) is t:
-                found.append((m, name, kind))
+    for ref, name, kind in _SLOTS.get(id(t), ()):
+        m = ref()
+        if m is not None and getattr(m, kind).get(name) is t and (m, name, kind) not in found:
+            found.append((m, name, kind))
     return found
 
 

@@ -207,6 +207,7 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     # One program: every process continues from rank 0's random state (docs/guide.md).
     _rng.synchronize(name)
     _global_view.install()
+    importlib.import_module("torchspmd.sharded_tensor").install()  # torch_xla's XLAShardedTensor attributes
     importlib.import_module("torchspmd.replicate").install_auto()  # (the package's `replicate` is the function)
     _STATE.spmd = True
     if dist.get_rank() != 0 and not os.environ.get(ENV_ALL_RANKS_OUTPUT):

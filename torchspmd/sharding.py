@@ -24,7 +24,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchspmd import _boundary, _owners, runtime
 from torchspmd._delegate import OnXla, on_xla
-from torchspmd._chunks import block_of
+from torchspmd._chunks import block_of, tile_shape
+from torchspmd._chunks import contiguous_stride as _contiguous_stride
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
 
@@ -215,6 +216,71 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec: Pa
     else:  # the whole value on every process: enters replicated (its gradient comes back whole)
         source = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False)
     return _MarkWithGradients.apply(source, dmesh, placements)
+
+
+def _manual_mesh(mesh, who: str) -> Mesh:
+    from torchspmd.mesh import get_global_mesh
+
+    mesh = get_global_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise SpmdError(f"{who}: no mesh: pass mesh=... or call set_global_mesh(mesh) first")
+    return mesh
+
+
+@on_xla
+def enable_manual_sharding(t: torch.Tensor, partition_spec: PartitionSpec, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """torch_xla's manual sharding: ``t`` sharded as ``partition_spec`` (over ``mesh``, else the
+    global mesh), then this process's shard as a plain tensor, for hand-written per-shard
+    code (DTensor's ``local_map`` is the native counterpart). Like torch_xla's, the shard is
+    padded with zeros to the tile size (``ceil(size / tiles)`` along each split dim), so every
+    process's shard has the same shape. Differentiable. ``disable_manual_sharding`` makes a
+    global tensor of the results."""
+    runtime._require_spmd("enable_manual_sharding")
+    mesh = _manual_mesh(mesh, "enable_manual_sharding")
+    if not isinstance(t, torch.Tensor):
+        raise SpmdError(f"enable_manual_sharding: t must be a torch.Tensor, got {type(t).__name__}")
+    resolved = resolve_partition_spec(mesh, partition_spec, t.dim(), "enable_manual_sharding")
+    placements = tuple(spec_to_placements(mesh, resolved))
+    dmesh = mesh.device_mesh
+    if not isinstance(t, DTensor):  # the global value, the same on every process (its gradient comes back whole)
+        t = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False)
+    local = t.redistribute(dmesh, placements).to_local()
+    tile = tile_shape(t.shape, mesh.mesh_shape, resolved)
+    pad = []
+    for d in reversed(range(t.dim())):
+        pad += [0, tile[d] - local.shape[d]]
+    return torch.nn.functional.pad(local, pad) if any(pad) else local
+
+
+@on_xla
+def disable_manual_sharding(t: torch.Tensor, partition_spec: PartitionSpec, full_shape, *,
+                            mesh: Mesh | None = None) -> DTensor:
+    """The end of a manual region: this process's shard ``t`` (padded as
+    ``enable_manual_sharding`` gives it, or exactly its block) as its part of a global tensor
+    of ``full_shape`` sharded as ``partition_spec``. Differentiable."""
+    runtime._require_spmd("disable_manual_sharding")
+    mesh = _manual_mesh(mesh, "disable_manual_sharding")
+    full_shape = tuple(int(s) for s in full_shape)
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        raise SpmdError("disable_manual_sharding: t must be this process's shard, a plain tensor (what "
+                        "enable_manual_sharding gave, or computed from it)")
+    if t.dim() != len(full_shape):
+        raise SpmdError(f"disable_manual_sharding: full_shape {full_shape} has {len(full_shape)} dims, the shard "
+                        f"{t.dim()}")
+    resolved = resolve_partition_spec(mesh, partition_spec, len(full_shape), "disable_manual_sharding")
+    placements = tuple(spec_to_placements(mesh, resolved))
+    dmesh = mesh.device_mesh
+    block = block_of(full_shape, mesh.mesh_shape, placements, dmesh.get_coordinate())
+    tile = tile_shape(full_shape, mesh.mesh_shape, resolved)
+    for d, (_, length) in enumerate(block):
+        if t.shape[d] not in (length, tile[d]):
+            raise SpmdError(f"disable_manual_sharding: the shard has {t.shape[d]} on dim {d}; for full_shape "
+                            f"{full_shape} sharded as {partition_spec!r} a shard has {tile[d]} there (padded, "
+                            f"as enable_manual_sharding gives it) or exactly its own block's size")
+        if t.shape[d] != length:
+            t = t.narrow(d, 0, length)
+    return DTensor.from_local(t.contiguous(), dmesh, placements, run_check=False, shape=torch.Size(full_shape),
+                              stride=_contiguous_stride(full_shape))
 
 
 def _like_param(mesh, placements, grad):

@@ -6,6 +6,8 @@ at that device's place in the logical mesh."""
 import numpy as np
 import pytest
 import torch
+from _xla_shards import CASES as SHARD_CASES
+from _xla_shards import expected_shard, spec_of
 
 pytest.importorskip("torch_xla")
 
@@ -81,3 +83,49 @@ def test_torch_xla_loader_keeps_a_batch_of_fewer_rows_than_devices_whole(ts):
     (batch,) = list(loader)
     assert batch.shape == (3, 5) and torch.equal(batch.cpu(), x)
     assert torch_xla._XLAC._get_xla_sharding_spec(batch).startswith("{devices=[4,1]")
+
+
+def test_torch_xla_cpu_of_a_sharded_result_is_its_whole_value(ts):
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+    t = xs.mark_sharding(x.to(torch_xla.device()), xs.Mesh(np.arange(4), (4,), ("x",)), ("x", None))
+    host = t.global_tensor.sin().cpu()
+    assert type(host) is torch.Tensor and host.device.type == "cpu" and torch.allclose(host, x.sin())
+
+
+@pytest.mark.parametrize("case", [c for c in SHARD_CASES if len(c[1]) == 4], ids=lambda c: c[0])
+def test_torch_xla_local_shards_follow_the_rule(ts, case):
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    name, ids, mesh_shape, shape, dims = case
+    names = ("a", "b")[:len(mesh_shape)]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    t = xs.mark_sharding(x.to(torch_xla.device()), xs.Mesh(np.array(ids), mesh_shape, names), spec_of(dims, names))
+    kinds = set()
+    for shard in t.local_shards:
+        device = int(shard.shard_device.split(":")[-1])
+        kind, indices, padded, replica = expected_shard(ids, mesh_shape, shape, dims, device)
+        kinds.add(kind)
+        assert shard.replica_id == replica, (name, device, shard.replica_id)
+        if indices is None:
+            assert shard.indices is Ellipsis and torch.equal(shard.data.cpu(), x)
+            continue
+        assert [(s.start, s.stop) for s in shard.indices] == indices, (name, device, shard.indices)
+        assert tuple(shard.data.shape) == padded, (name, device, shard.data.shape)
+        assert torch.equal(shard.unpadded_data.cpu(), x[tuple(slice(a, b) for a, b in indices)])
+    assert [t.sharding_type.name] == sorted(kinds), name
+
+
+def test_torch_xla_manual_shards_are_padded_to_the_tile(ts):
+    """The shard shape tests/test_xla_semantics.py expects of torchspmd: ceil(rows / devices)."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+    mesh = xs.Mesh(np.arange(4), (4,), ("x",))
+    local = xs.enable_manual_sharding(x.to(torch_xla.device()), ("x", None), mesh=mesh)
+    assert tuple(local.shape) == (2, 3)
+    y = xs.disable_manual_sharding(local.global_tensor.sin() * 2, ("x", None), (7, 3), mesh=mesh)
+    assert torch.allclose(y.global_tensor.cpu(), x.sin() * 2, rtol=1e-5)

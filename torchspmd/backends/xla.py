@@ -268,6 +268,16 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh, partition_spec):
     return _xs().mark_sharding_with_gradients(t, mesh, tuple(partition_spec))
 
 
+def enable_manual_sharding(t: torch.Tensor, partition_spec, *, mesh=None):
+    if isinstance(t, torch.Tensor) and t.device.type != "xla":
+        t = t.to(_device())
+    return _xs().enable_manual_sharding(t, tuple(partition_spec), mesh=mesh)
+
+
+def disable_manual_sharding(t: torch.Tensor, partition_spec, full_shape, *, mesh=None):
+    return _xs().disable_manual_sharding(t, tuple(partition_spec), full_shape, mesh=mesh)
+
+
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     return _xs().clear_sharding(t)
 

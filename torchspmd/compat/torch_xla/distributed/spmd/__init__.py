@@ -8,12 +8,15 @@ from torchspmd import (  # noqa: F401
     Mesh,
     ShardingSpec,
     clear_sharding,
+    disable_manual_sharding,
+    enable_manual_sharding,
     get_1d_mesh,
     get_global_mesh,
     mark_sharding,
     mark_sharding_with_gradients,
     set_global_mesh,
 )
+from torchspmd import ShardingType, XLAShard  # noqa: F401
 from torchspmd.compat import not_provided
 from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
 
