@@ -112,10 +112,13 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):
+    # model.vocab_size: more embedding rows than the byte tokenizer's 257 (a Llama-2-sized table's setting)
     train(tmp_path / "seed", "--model.name", "seed", "--optim.max_steps", "4", "--checkpoint.every", "4",
-          "--optim.grad_accum", "2", "--model.meta_init", "true", "--precision.checkpointing", "true")
+          "--optim.grad_accum", "2", "--model.meta_init", "true", "--precision.checkpointing", "true",
+          "--model.vocab_size", "300")
     got = losses(tmp_path / "seed")
-    assert len(got) == 4 and all(v == v for v in got.values()) and got[1] < 6.0  # ~ln(257) at the start
+    assert len(got) == 4 and all(v == v for v in got.values()) and got[1] < 6.0  # ~ln(300) at the start
+    assert {tuple(v.shape) for k, v in final_weights(tmp_path / "seed").items() if "embed" in k} == {(300, 64)}
 
 
 def test_local_jsonl_data_and_bf16(tmp_path):

@@ -331,7 +331,7 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
 
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     model, info = build_model(cfg.model, model_vocab(cfg.model, tokenizer))
-    vocab = info["config"].vocab_size if info["config"] is not None else tokenizer.vocab_size
+    vocab = info["config"].vocab_size if info["config"] is not None else model_vocab(cfg.model, tokenizer)
     if tokenizer.vocab_size > vocab:
         raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
                         f"use the model's own tokenizer (data.tokenizer = its directory)")
