@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,7 +206,8 @@ def exported(work, trained):
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(hf)], capture_output=True,
                        text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stderr == "", r.stderr[-3000:]  # no warning (DCP's "torch.distributed is disabled ..." among them)
+    # no warning (DCP's "torch.distributed is disabled ..." among them; transformers' progress bar may show)
+    assert not re.search(r"warn|(^|\]:)W\d{4} \d", r.stderr, re.IGNORECASE | re.MULTILINE), r.stderr[-3000:]
     return hf
 
 
@@ -245,7 +247,7 @@ def test_greedy_generate_equals_transformers(trained, transformers_oracle):
                         "--tokens", str(NEW_TOKENS), "--temperature", "0"],
                        capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stderr == "", r.stderr[-3000:]  # no warning
+    assert not re.search(r"warn|(^|\]:)W\d{4} \d", r.stderr, re.IGNORECASE | re.MULTILINE), r.stderr[-3000:]
     text = r.stdout[:-1]  # print's newline
     ids = transformers_oracle["ids"]
     ids = ids[: ids.index(EOS)] if EOS in ids else ids  # generate stops at end of text and does not show it
