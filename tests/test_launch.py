@@ -96,3 +96,35 @@ def test_unknown_backend_is_a_clear_error():
 def test_info():
     r = _run([sys.executable, "-m", "torchspmd.cli", "info"])
     assert r.returncode == 0 and "backend (default) cpu" in r.stdout
+
+
+MALLOC_SCRIPT = textwrap.dedent(
+    """
+    import os, torchspmd as ts
+    ts.use_spmd()
+    names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+    print(f"rank {ts.global_ordinal()} malloc", [os.environ.get(k) for k in names], flush=True)
+    """
+)
+
+
+def test_workers_get_the_malloc_settings_unless_the_user_chose(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text(MALLOC_SCRIPT)
+    run = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(p)]
+    tuned = [str(32 * 2**20), str(2**40), str(256 * 2**20), None]
+    for launch, env, want in [(run, {}, tuned), ([sys.executable, str(p)], {}, tuned),  # relaunched per device
+                              (run, {"TORCHSPMD_MALLOC": "tuned"}, tuned),
+                              (run, {"TORCHSPMD_MALLOC": "default"}, [None] * 4),
+                              (run, {"MALLOC_ARENA_MAX": "2"}, [None, None, None, "2"]),
+                              (run, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, [None] * 4)]:
+        r = _run(launch, CPU_NUM_DEVICES=2, TORCHSPMD_ALL_RANKS_OUTPUT=1, **env)
+        assert r.returncode == 0, r.stderr
+        got = sorted(l for l in r.stdout.splitlines() if " malloc " in l)
+        assert got == [f"rank {i} malloc {want!r}" for i in range(2)], (env, r.stdout)
+
+
+def test_bad_malloc_switch_is_a_clear_error(script):
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script)], TORCHSPMD_MALLOC="fast")
+    assert r.returncode != 0
+    assert "TORCHSPMD_MALLOC='fast': expected 'tuned' (the default) or 'default'" in r.stderr, r.stderr
