@@ -70,6 +70,36 @@ def test_auto_picks_shared_memory_on_one_machine(dist):
     assert dist(2).run(_variant, "allreduce")[0] == ["AllReduceAllGather"]
 
 
+def _fsdp_reduce_scatter_path():
+    """Train an FSDPv2 model (two units of uneven sizes and the root) one step with the
+    shared-memory collectives; return the shared buffers the collectives asked for, in order."""
+    import functools
+
+    import torchspmd.fsdp.collectives as coll
+
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={torch.nn.Linear})
+    wrapped = ts.FSDPv2(model, mesh, collectives="shm", auto_wrap_policy=policy)
+    x = ts.mark_sharding(torch.randn(8, 5), mesh, ("fsdp", None))
+    asked, arena = [], coll._arena
+    coll._arena = lambda group, kind: asked.append(kind) or arena(group, kind)
+    try:
+        wrapped(x).square().mean().backward()
+    finally:
+        coll._arena = arena
+    return asked
+
+
+def test_fsdp2_writes_its_gradients_straight_into_the_shared_buffer(dist):
+    """Under FSDP2 the reduce-scatter's input is the shared buffer itself: the stepped path (a
+    copy of every gradient into a small shared buffer) is never used."""
+    for asked in dist(2).run(_fsdp_reduce_scatter_path):
+        assert asked.count("reduce_scatter_input") == 2 and "reduce_scatter" not in asked, asked
+
+
 def _bad_choice():
     try:
         _variant("fastest")
@@ -122,7 +152,9 @@ def _shm_calls(calls, fresh_group=False, with_gloo=False):
     them (the all-gather input copied into its slot of the buffer ``allocate`` gave), and
     return each call's output (and gloo's, ``with_gloo``), the arena's size and file after it,
     and for each of those files whether it still exists and whether it is still mapped.
-    A call: (kind, n, dtype, seed, rs_step, skew), ``rs_step`` the reduce-scatter's elements
+    A call: (kind, n, dtype, seed, rs_step, skew), kind "ag" (all-gather), "rsa" (reduce-scatter
+    as FSDP2 calls it: its input from ``allocate``) or "rs" (a direct reduce-scatter call on a
+    plain input: the stepped path), ``rs_step`` the direct reduce-scatter's elements
     per step (None: the default), ``skew`` (rank, where, seconds) or None: that rank works
     for a while before the call ("before"), between ``allocate`` and the all-gather
     ("between") or between the all-gather and reading its output ("after")."""
@@ -153,14 +185,27 @@ def _shm_calls(calls, fresh_group=False, with_gloo=False):
                 native = torch.empty_like(got)
                 if with_gloo:
                     dist.all_gather_into_tensor(native, x, group=group)
-            else:
+            elif kind == "rsa":  # as FSDP2 drives it: the input from allocate, then the output, then the call
+                inp = rs.allocate((n * world,), dtype=x.dtype, device=torch.device("cpu"))
+                inp.copy_(x)
+                got = rs.allocate((n,), dtype=x.dtype, device=torch.device("cpu"))
+                if where == "between":
+                    _busy(delay)
+                rs(got, inp, group, dist.ReduceOp.SUM)
+                if where == "after":
+                    _busy(delay)
+                native = torch.empty_like(got)
+                if with_gloo:
+                    dist.reduce_scatter_tensor(native, x.clone(), group=group)
+            else:  # a direct call with this process's own input: through the small buffer, in steps
                 coll.RS_STEP_BYTES = rs_step * world * world * x.element_size() if rs_step else default_step
                 got = torch.empty(n, dtype=x.dtype)
                 rs(got, x.clone(), group, dist.ReduceOp.SUM)
                 native = torch.empty_like(got)
                 if with_gloo:
                     dist.reduce_scatter_tensor(native, x.clone(), group=group)
-            arena = coll._ARENAS[(id(group), "all_gather" if kind == "ag" else "reduce_scatter")]
+            arena = coll._ARENAS[(id(group), {"ag": "all_gather", "rs": "reduce_scatter",
+                                              "rsa": "reduce_scatter_input"}[kind])]
             results.append((got, native if with_gloo else None, arena.capacity, arena.path))
     finally:
         coll.RS_STEP_BYTES = default_step
@@ -223,7 +268,7 @@ def test_shared_memory_collectives_on_random_data(dist, world):
     bit-identical to the rank-order sum on every rank, within the bounds of gloo's."""
     calls = [(kind, n, dtype, seed, step, None)
              for seed, (n, step) in enumerate([(1, None), (7, 3), (1031, 100), (20011, None)])
-             for dtype in ("float32", "bfloat16") for kind in ("ag", "rs")]
+             for dtype in ("float32", "bfloat16") for kind in ("ag", "rs", "rsa")]
     per_rank = dist(world).run(_shm_calls, calls, with_gloo=True)
     worst = _check(calls, per_rank)
     if world == 2:  # one addition, a + b == b + a: gloo's result exactly
@@ -241,12 +286,19 @@ def test_shared_memory_arena_grows(dist, world):
     calls = [("ag", 10, "float32", 1, None, None), ("rs", 10, "float32", 2, None, None),
              ("ag", n_big, "float32", 3, None, None), ("rs", n_big, "float32", 4, None, None),
              ("ag", 9, "float32", 5, None, None), ("rs", 9, "float32", 6, None, None),
-             ("ag", 1001, "bfloat16", 7, None, None), ("rs", 1001, "bfloat16", 8, 100, None)]
+             ("ag", 1001, "bfloat16", 7, None, None), ("rs", 1001, "bfloat16", 8, 100, None),
+             ("rsa", 10, "float32", 9, None, None), ("rsa", n_big, "float32", 10, None, None),
+             ("rsa", 9, "bfloat16", 11, None, None)]
     per_rank = dist(world).run(_shm_calls, calls, fresh_group=True, with_gloo=True)
     _check(calls, per_rank)
-    first = [c for _, _, c, _ in per_rank[0][0]]
+    first = [c for _, _, c, _ in per_rank[0][0][:8]]
     big_ag, big_rs = n_big * world * 4, min(n_big, 8 * 2**20 // (world * world * 4)) * world * world * 4
     for results, files in per_rank:
+        rsa = [(c, p) for _, _, c, p in results[8:]]  # the input buffer: every process's input, grown once
+        assert rsa[0][0] == 2**20 and rsa[1][0] == rsa[2][0] >= n_big * world * world * 4, rsa
+        assert rsa[1][1] == rsa[2][1] != rsa[0][1], rsa
+        assert [files[p][1] for _, p in rsa] == [False, True, True], files
+        results = results[:8]
         capacity = [c for _, _, c, _ in results]
         assert capacity == first and capacity[0] == capacity[1] == 2**20, capacity  # same everywhere
         assert capacity[2] >= big_ag > 2**20 and capacity[3] >= big_rs > 2**20, capacity  # grown
@@ -269,6 +321,11 @@ def test_shared_memory_collectives_with_a_late_process(dist):
              ("rs", 513, "float32", 6, 64, (1, "before", 0.3)),
              ("rs", 513, "float32", 7, 64, (2, "before", 0.3)),
              ("rs", 2**18, "float32", 8, None, (0, "before", 0.3)),
+             ("rsa", 513, "float32", 11, None, (1, "before", 0.3)),
+             ("rsa", 513, "float32", 12, None, (2, "between", 0.3)),
+             ("rsa", 513, "float32", 13, None, (0, "after", 0.3)),
+             ("rsa", 2**18, "float32", 14, None, (1, "after", 0.3)),  # grows after a late process
+             ("rsa", 513, "float32", 15, None, None),
              ("ag", 5, "float32", 9, None, None), ("rs", 5, "float32", 10, None, None)]
     _check(calls, dist(3).run(_shm_calls, calls, fresh_group=True))
 

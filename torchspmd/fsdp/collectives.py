@@ -10,13 +10,15 @@ variants (what each computes exactly: ``docs/performance.md``, measured by
   all-gather output buffer FSDP2 asks for *is* one shared buffer: once every process is
   done with the previous parameters (a barrier when FSDP2 asks for the buffer), FSDP2
   copies each process's shard into its slot, a second barrier, and every process reads
-  the whole parameters from it. The reduce-scatter goes in steps through a small shared
-  buffer (two halves of ``RS_STEP_BYTES`` used in turn): each process writes its piece
-  for every destination, a barrier, and each sums its own column, in rank order and in
-  float32 (so every shard is the same fixed-order sum whoever arrives first; gloo's own
-  sums in ring order and differs by rounding). No bytes go through a socket; the barriers
-  are gloo's. The shared memory is the size of the largest unit's gathered parameters plus
-  16 MB (a buffer grown out of is unmapped once FSDP2 no longer views it).
+  the whole parameters from it. The reduce-scatter input FSDP2 asks for is likewise this
+  process's row of one shared buffer: a barrier when FSDP2 asks for it, FSDP2 copies the
+  gradients in, a second barrier, and each process sums its own column of the rows, in
+  rank order and in float32 (so every shard is the same fixed-order sum whoever arrives
+  first; gloo's own sums in ring order and differs by rounding). No bytes go through a
+  socket; the barriers are gloo's. The shared memory is the size of the largest unit's
+  gathered parameters plus the largest unit's gradients times the process count (what the
+  processes' own reduce-scatter input buffers took), plus 16 MB for direct calls (a buffer
+  grown out of is unmapped once nothing views it).
 - ``"allreduce"``: all-gather as an all-reduce of the output holding this process's
   shard and zeros (the exact values), reduce-scatter as an in-place all-reduce keeping
   this process's slot. gloo's all-reduce beats its reduce-scatter of the same bytes
@@ -173,7 +175,7 @@ _ARENAS: dict[tuple[int, str], _Arena] = {}
 def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
     key = (id(group), kind)
     if key not in _ARENAS:
-        _ARENAS[key] = _Arena(group, 1 if kind == "all_gather" else 2)
+        _ARENAS[key] = _Arena(group, 2 if kind == "reduce_scatter" else 1)
     return _ARENAS[key]
 
 
@@ -209,14 +211,39 @@ class SharedMemoryAllGather(AllGather):
         return _Done() if async_op else None
 
 
-class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
-    """Reduce-scatter through a small shared buffer, in steps: each process writes its
-    piece for every destination into its row, one barrier, and each process sums its
-    column, adding the processes' pieces in rank order (:func:`_sum_in_rank_order`). Two
-    halves used in turn, so the buffer stays ``2 * RS_STEP_BYTES``."""
+class SharedMemoryReduceScatter(ReduceScatter):
+    """Reduce-scatter through shared memory, adding the processes' pieces in rank order
+    (:func:`_sum_in_rank_order`).
+
+    Under FSDP2 the input buffer FSDP2 asks for (``allocate``, before it copies the
+    gradients in) *is* this process's row of one shared buffer, ``[world, numel]``: a
+    barrier there (every process is done summing the previous reduce-scatter's input),
+    FSDP2 writes its gradients into the row, a second barrier at the call, and each process
+    sums its column of the rows. Two barriers and no copy beyond FSDP2's own. The buffer
+    holds every process's input once, the bytes each process's private input buffer used
+    to take. FSDP2 asks for the input and then the output (a plain tensor) before the
+    call; an input that does not come from ``allocate`` (a direct call) goes through a
+    small shared buffer in steps instead (two halves of ``RS_STEP_BYTES`` used in turn:
+    each process writes its piece for every destination, a barrier, each sums its
+    column)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
+        self._pending: torch.Tensor | None = None  # the shared [world, numel] buffer of the input handed out
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._pending is not None or device.type != "cpu":  # the output: this process's own memory
+            return torch.empty(*size, dtype=dtype, device=device)
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        world, rank = self.group.size(), self.group.rank()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        arena = _arena(self.group, "reduce_scatter_input")
+        dist.barrier(group=self.group)  # nobody still sums the previous input
+        rows = arena.next(world * nbytes).view(dtype).view(world, numel)
+        self._pending = rows
+        return rows[rank].view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -224,6 +251,12 @@ class SharedMemoryReduceScatter(_Alloc, ReduceScatter):
             raise SpmdError(f"shared-memory reduce-scatter: only sums are supported, got {op}")
         world, rank = group.size(), group.rank()
         per = input_tensor.numel() // world
+        rows, self._pending = self._pending, None
+        if (rows is not None and input_tensor.data_ptr() == rows[rank].data_ptr()
+                and input_tensor.numel() == rows.shape[1] and input_tensor.dtype == rows.dtype):
+            dist.barrier(group=group)  # every row written
+            _sum_in_rank_order(rows.view(world, world, per)[:, rank], output_tensor.view(-1))
+            return _Done() if async_op else None
         src = input_tensor.view(world, per)  # src[d]: this process's part for destination d
         out = output_tensor.view(-1)
         size = input_tensor.element_size()
