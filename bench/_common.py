@@ -56,9 +56,14 @@ def write_result(result: str, strategy: str, tokens_per_step: int, times: list[f
 
 def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
     """Run ``script --worker ...`` in ``nproc`` processes (``torchspmd run``; one plain process
-    for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``."""
+    for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``.
+    Every run gets the malloc settings ``torchspmd run`` gives its workers (one process
+    too, so that every strategy runs on the same allocator)."""
+    from torchspmd._launch import _allocator_env
+
     cores = os.cpu_count() or 1
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)))
+    env.update(_allocator_env(env))
     cmd = [script, *args, "--result", str(result)]
     if nproc == 1:
         cmd = [sys.executable, *cmd]

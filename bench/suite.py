@@ -1,10 +1,11 @@
 """The benchmark suite: every data-parallel strategy, on two models, at 2 and 4 processes.
 
-    python bench/suite.py                       # everything, 3 rounds (about an hour on 2 cores)
+    python bench/suite.py                       # everything, 3 rounds (about 80 minutes on 2 cores)
     python bench/suite.py --models seed --nproc 2 --repeats 2 --steps 6
 
 Strategies, each training the same model on the same global batches (4 x 64 tokens,
-Adam, one FSDP unit per decoder layer):
+fused Adam, one FSDP unit per decoder layer; every process gets the malloc settings of
+``torchspmd run``, one process and torch_xla's included):
 
 - ``single``: one process (all cores);
 - ``ddp``: PyTorch DDP;
@@ -156,7 +157,7 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, **options[strategy])
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # PyTorch's fused CPU Adam kernel
     times = timed_steps(model, opt, loader, vocab, warmup)
     if rank == 0:
         write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30)
@@ -428,8 +429,11 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
 
 def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
              api: str = "xla") -> dict | None:
+    from torchspmd._launch import _allocator_env
+
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    env.update(_allocator_env(env))  # the malloc settings the PyTorch runs get (XLA's buffers have their own allocator)
     r = subprocess.run([python, __file__, "--xla-worker", api, "--models", model, "--size", size, "--steps", str(steps),
                         "--warmup", str(warmup), "--result", str(result)], env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
@@ -452,7 +456,8 @@ def _table(rows: list[dict], title: str) -> list[str]:
     for r in rows:
         ratios = r.get("vs_fsdp2_runs") or []
         procs = f"1 ({r['nproc']} devices)" if r["strategy"] in XLA else str(r["nproc"])
-        rss = f"{r['peak_rss_gb']:.2f}" + (" (all devices)" if r["strategy"] in XLA else "")
+        rss = f"{r['peak_rss_gb']:.2f}" + (f" (all devices; / {r['nproc']} = {r['peak_rss_gb'] / r['nproc']:.2f})"
+                                            if r["strategy"] in XLA else "")
         vs = f"{r['vs_fsdp2']:.2f}x" if ratios else ""
         lines.append(f"| {NAMES[r['strategy']]} | {procs} | {r['tokens_per_s']:.0f} | "
                      f"{_spread(r.get('tokens_per_s_runs', []), '.0f')} | {vs} | {_spread(ratios, '.2f')} | {rss} | "
@@ -532,6 +537,7 @@ def main() -> None:
                + [(s, n) for n in a.nproc for s in a.strategies if s != "single"]
                if not (s in XLA and not xla)]
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    failed: list[str] = []
     for r in range(a.repeats):
         k = r % len(configs)
         for model, strategy, nproc in configs[k:] + configs[:k]:  # rotated: each round starts elsewhere
@@ -539,8 +545,14 @@ def main() -> None:
             if strategy in XLA:
                 row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy)
             else:
-                row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
-                                 nproc, tmp)
+                try:
+                    row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
+                                     nproc, tmp)
+                except subprocess.CalledProcessError as e:  # said in the results, not hidden, not fatal
+                    print(f"round {r + 1}/{a.repeats}: {model} {strategy} x{nproc} failed (exit {e.returncode})",
+                          flush=True)
+                    failed.append(f"{model} {strategy} x{nproc}, round {r + 1} (exit {e.returncode})")
+                    row = None
             runs[(model, strategy, nproc)].append(row)
             if row is not None:
                 print(f"round {r + 1}/{a.repeats}: {model} {strategy} x{nproc} {row['tokens_per_s']:.0f} tok/s",
@@ -568,8 +580,12 @@ def main() -> None:
             for nproc in (1, 2, 4):
                 reuse = next((r for r in results.get("seed", []) if size == "seed" and r["strategy"] == "fsdpv2"
                               and r["nproc"] == nproc), None)
-                row = reuse or run_worker(__file__, ["--worker", "fsdpv2", "--models", "seed", "--size", size,
-                                                     *common], nproc, out / f".scale{size}{nproc}.json")
+                try:
+                    row = reuse or run_worker(__file__, ["--worker", "fsdpv2", "--models", "seed", "--size", size,
+                                                         *common], nproc, out / f".scale{size}{nproc}.json")
+                except subprocess.CalledProcessError as e:
+                    failed.append(f"scaling {size} x{nproc} (exit {e.returncode})")
+                    continue
                 scaling.append({**row, "size": size, "nproc": nproc})
     if a.update and (out / "suite.json").exists():
         old = json.loads((out / "suite.json").read_text())
@@ -584,13 +600,16 @@ def main() -> None:
 
     lines = ["## Benchmarks", "",
              f"`python bench/suite.py` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam, one FSDP unit per decoder layer; "
-             f"each run's tokens/s is the median of its {a.steps - a.warmup} timed steps; {a.repeats} runs of each "
+             f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam (PyTorch's fused CPU kernel; torch_xla's runs "
+             f"compile theirs into the step), one FSDP unit per decoder layer; every process with the malloc settings "
+             f"`torchspmd run` gives its workers (docs/performance.md); each run's tokens/s is the median of its {a.steps - a.warmup} timed steps; {a.repeats} runs of each "
              f"configuration, interleaved (rotated order each round). The processes share the cores (OMP threads = "
              f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges.", ""]
     for model, rows in results.items():
         title = {"seed": "Seed decoder, 107M parameters", "llama": "transformers Llama, same shape"}[model]
         lines += _table(rows, title)
+    if failed:
+        lines += ["Runs that failed (left out of the medians and ranges above): " + "; ".join(failed) + ".", ""]
     if scaling:
         lines += ["### Scaling: torchspmd FSDPv2 against the device count", "",
                   "| model | processes | tokens/s | peak RSS per process (GB) | model state per process (GB) |",

@@ -9,9 +9,9 @@ device size, what fits with the global batch kept (:func:`propose`): the largest
 micro-batch per device (and the ``grad_accum`` that keeps the batch), else checkpointing,
 CPU offload, more devices. ``torchspmd train`` prints the prediction for its own run.
 
-What the prediction is made of (bytes on one of ``n`` devices, ``b = ceil(batch / n)``
-rows of ``seq`` tokens each, ``c`` bytes per compute element, optimizer with ``k`` fp32
-states per parameter):
+What the prediction is made of (bytes on one of ``n`` devices, one micro-batch of
+``b = ceil(batch / grad_accum / n)`` rows of ``seq`` tokens each, ``c`` bytes per compute
+element, optimizer with ``k`` fp32 states per parameter):
 
 - model state: fp32 parameters and ``k`` optimizer states of all ``P`` parameters under
   DDP (plus DDP's gradient buckets, a copy of the gradients), of ``P / n`` under FSDPv2
