@@ -139,7 +139,7 @@ model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 params = list(model.parameters())
 opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": a["decay"]},
                          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                        lr=a["lr"], betas=a["betas"])
+                        lr=a["lr"], betas=a["betas"], fused=True)  # torchspmd train's default
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / a["warmup"])  # warm-up only, in these steps
 losses = []
 for k in range(a["steps"]):
@@ -166,7 +166,7 @@ def test_job_equals_one_process(work, corpus, base):
     oracle, trained = torch.load(weights), dcp_state(ckpt(base, STEPS))["model"]
     assert oracle.keys() == trained.keys()
     for k in oracle:
-        torch.testing.assert_close(trained[k], oracle[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(trained[k], oracle[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # --- gradient accumulation and layer checkpointing ---------------------------------------------------------------
@@ -184,8 +184,9 @@ def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0), step
     a, b = dcp_state(ckpt(base, STEPS))["model"], dcp_state(ckpt(out, STEPS))["model"]
     assert a.keys() == b.keys()  # the checkpoint wrapper leaves the parameter names alone
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=k)
+    for k in a:  # atol as against the plain job: Adam divides by sqrt(v), so where a weight's gradient is
+        # near zero, a last-bit difference in it (here: the sums of two micro-batches) moves that weight by ~5e-7
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # --- export and generate -----------------------------------------------------------------------------------------

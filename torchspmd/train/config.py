@@ -58,6 +58,8 @@ class OptimConfig:
     weight_decay: float = _f(0.1, "AdamW weight decay")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
+    fused: bool = _f(True, "PyTorch's fused AdamW kernel (one kernel over all parameters, CPU and CUDA; "
+                           "false: the per-parameter loop). On XLA the step is compiled into the graph: not used")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     batch_size: int = _f(16, "global batch size in sequences (all devices together)")
     grad_accum: int = _f(1, "micro-batches per optimizer step")

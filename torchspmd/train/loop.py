@@ -383,7 +383,8 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2))
+                            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                            fused=cfg.optim.fused and not on_xla)  # fused AdamW runs on CPU/CUDA, not XLA
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
     step = 0
