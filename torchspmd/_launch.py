@@ -65,6 +65,26 @@ def _allocator_env(environ) -> dict[str, str]:
     return dict(MALLOC_ENV)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the system now (glibc's ``malloc_trim(0)``).
+
+    Under :data:`MALLOC_ENV` freed memory is kept for reuse; that is right for the
+    per-step buffers, but not for a one-off like the whole model a process builds before
+    FSDPv2 keeps only its shard (the rest would stay resident for the whole run). FSDPv2
+    calls this once it has sharded. Nothing happens where the C library has no
+    ``malloc_trim`` (not glibc) or on other systems."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # another C library: it keeps no such reserve
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+
+
 def _threads_per_process(nproc: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // nproc)

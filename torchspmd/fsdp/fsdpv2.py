@@ -34,6 +34,7 @@ from torchspmd._boundary import (
 )
 from torchspmd._delegate import OnXla
 from torchspmd._errors import SpmdError
+from torchspmd._launch import release_freed_memory
 from torchspmd.fsdp.wrap import recursive_wrap
 from torchspmd.mesh import Mesh, get_global_mesh
 
@@ -186,6 +187,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
         _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
+        release_freed_memory()  # the whole parameters this process no longer holds
         if compile:
             _compile_units(module, compile if isinstance(compile, dict) else {})
         self._register_state_dict_hook(_strip_prefix_hook)
