@@ -54,11 +54,82 @@ def write_result(result: str, strategy: str, tokens_per_step: int, times: list[f
     }))
 
 
+class PeakMemory:
+    """The peak physical memory of a running process tree: sampled every ``interval``
+    seconds, the sum over the root and all its descendants of their PSS (proportional set
+    size: a page mapped by k processes counts 1/k to each). Pages the processes share
+    (torch's libraries, a shared-memory collective buffer) count once, as the machine pays
+    for them, so one process driving n devices and n processes of one device each are
+    measured alike; RSS would count every shared page once per process.
+
+        with PeakMemory(proc.pid) as mem:
+            proc.wait()
+        mem.peak_gb
+    """
+
+    def __init__(self, pid: int, interval: float = 0.5, children: bool = True):
+        import threading
+
+        self.pid, self.interval, self.children, self.peak_bytes, self.samples = pid, interval, children, 0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)] if self.children else [root]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                pass  # exited between listing and reading: it holds nothing now
+        return total
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+            self.samples += 1
+            self._done.wait(self.interval)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def run_measured(cmd: list[str], env: dict, timeout: float | None = None,
+                 **popen) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd`` to its end (killed after ``timeout`` seconds, as ``subprocess.run`` does);
+    return its CompletedProcess and the peak PSS of its process tree in GB (``PeakMemory``)."""
+    with subprocess.Popen(cmd, env=env, **popen) as proc, PeakMemory(proc.pid) as mem:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return done, mem.peak_gb
+
+
 def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
     """Run ``script --worker ...`` in ``nproc`` processes (``torchspmd run``; one plain process
-    for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``.
-    Every run gets the malloc settings ``torchspmd run`` gives its workers (one process
-    too, so that every strategy runs on the same allocator)."""
+    for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``,
+    with ``peak_pss_gb``, the peak physical memory of all the run's processes together
+    (``PeakMemory``; the launcher included). Every run gets the malloc settings
+    ``torchspmd run`` gives its workers (one process too, so that every strategy runs on
+    the same allocator)."""
     from torchspmd._launch import _allocator_env
 
     cores = os.cpu_count() or 1
@@ -69,7 +140,8 @@ def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
         cmd = [sys.executable, *cmd]
     else:
         cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), *cmd]
-    subprocess.run(cmd, check=True, env=env)
+    done, pss = run_measured(cmd, env)
+    done.check_returncode()
     row = json.loads(result.read_text())
     result.unlink()
-    return row
+    return {**row, "peak_pss_gb": pss}

@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import per_process_loader, run_worker, timed_steps, write_result  # noqa: E402
+from _common import per_process_loader, run_measured, run_worker, timed_steps, write_result  # noqa: E402
 
 SEED = dict(vocab_size=3200, dim=1024, num_layers=8, num_heads=8, intermediate_size=4096, max_seq_len=64)
 SMALL = dict(vocab_size=3200, dim=384, num_layers=4, num_heads=6, intermediate_size=1536, max_seq_len=64)
@@ -434,14 +434,15 @@ def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup:
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
     env.update(_allocator_env(env))  # the malloc settings the PyTorch runs get (XLA's buffers have their own allocator)
-    r = subprocess.run([python, __file__, "--xla-worker", api, "--models", model, "--size", size, "--steps", str(steps),
-                        "--warmup", str(warmup), "--result", str(result)], env=env, capture_output=True, text=True, timeout=1200)
+    r, pss = run_measured([python, __file__, "--xla-worker", api, "--models", model, "--size", size, "--steps",
+                           str(steps), "--warmup", str(warmup), "--result", str(result)], env, timeout=1200,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         print(f"torch_xla run failed ({model}, x{nproc}):\n{r.stderr[-2000:]}")
         return None
     row = json.loads(result.read_text())
     result.unlink()
-    return row
+    return {**row, "peak_pss_gb": pss}
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -451,23 +452,34 @@ def _spread(values: list[float], fmt: str) -> str:
 def _table(rows: list[dict], title: str) -> list[str]:
     lines = [f"### {title}", "",
              "| strategy | processes | tokens/s, median of runs | min-max | vs FSDP2, median of rounds | min-max | "
-             "peak RSS per process (GB) | model state per process (GB) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "peak memory per device (GB) | peak RSS per process (GB) | model state per process (GB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratios = r.get("vs_fsdp2_runs") or []
         procs = f"1 ({r['nproc']} devices)" if r["strategy"] in XLA else str(r["nproc"])
         rss = f"{r['peak_rss_gb']:.2f}" + (f" (all devices; / {r['nproc']} = {r['peak_rss_gb'] / r['nproc']:.2f})"
                                             if r["strategy"] in XLA else "")
         vs = f"{r['vs_fsdp2']:.2f}x" if ratios else ""
-        lines.append(f"| {NAMES[r['strategy']]} | {procs} | {r['tokens_per_s']:.0f} | "
-                     f"{_spread(r.get('tokens_per_s_runs', []), '.0f')} | {vs} | {_spread(ratios, '.2f')} | {rss} | "
-                     f"{r['state_gb']:.3f} |")
-    lines.append("")
+        pss = r.get("peak_pss_gb_runs") or []
+        mem = (f"{statistics.median(pss) / r['nproc']:.2f} ({min(pss) / r['nproc']:.2f}-{max(pss) / r['nproc']:.2f})"
+               if pss else "not measured")
+        star = "*" if r.get("run", 1) > 1 else ""
+        lines.append(f"| {NAMES[r['strategy']]}{star} | {procs} | {r['tokens_per_s']:.0f} | "
+                     f"{_spread(r.get('tokens_per_s_runs', []), '.0f')} | {vs} | {_spread(ratios, '.2f')} | {mem} | "
+                     f"{rss} | {r['state_gb']:.3f} |")
+    lines += ["", "Peak memory per device: the largest physical memory all the run's processes held together "
+              "(the sum of their PSS, sampled every 0.5 s; pages they share, such as torch's libraries and the "
+              "shared-memory collective buffers, count once; `torchspmd run`'s launcher included), divided by the "
+              "devices; median of runs (min-max). torch_xla's one process is measured the same way.", ""]
     for r in rows:
         if r.get("vs_xla_runs"):
             x = r["vs_xla_runs"]
             lines.append(f"- {NAMES[r['strategy']]} / torch_xla FSDPv2 at {r['nproc']} devices: median "
                          f"{statistics.median(x):.2f}x, min-max {_spread(x, '.2f') or f'{x[0]:.2f}'} over the rounds.")
+            ref = next((o for o in rows if o["strategy"] == "xla" and o["nproc"] == r["nproc"]), None)
+            if ref and r.get("peak_pss_gb_runs") and ref.get("peak_pss_gb_runs"):
+                mem = statistics.median(r["peak_pss_gb_runs"]) / statistics.median(ref["peak_pss_gb_runs"])
+                lines[-1] = lines[-1][:-1] + f"; peak memory per device {mem:.2f}x torch_xla's."
     return lines + [""]
 
 
@@ -477,12 +489,18 @@ def _plot(results: dict, scaling: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results) + 1, figsize=(6 * (len(results) + 1), 4.5))
+    panels = len(results) + bool(scaling)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
+    axes = list(axes[0])
     for ax, (model, rows) in zip(axes, results.items()):
         labels = [f"{r['strategy']}\nx{r['nproc']}" for r in rows]
         ax.bar(labels, [r["tokens_per_s"] for r in rows])
         ax.set_title(f"{model}: tokens/s")
         ax.tick_params(axis="x", labelsize=7, rotation=60)
+    if not scaling:
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        return
     ax = axes[-1]
     for size in sorted({r["size"] for r in scaling}):
         pts = sorted((r["nproc"], r["state_gb"]) for r in scaling if r["size"] == size)
@@ -513,6 +531,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
     p.add_argument("--out", default=str(HERE / "results"), help="where the results go (README.md is updated only "
                                                                 "for the default)")
+    p.add_argument("--tables-from", metavar="JSON",
+                   help="run nothing: write the tables, suite.json and the chart of a suite.json again, under --out")
     p.add_argument("--worker")
     p.add_argument("--xla-worker", choices=XLA)
     p.add_argument("--result")
@@ -526,6 +546,13 @@ def main() -> None:
     if a.xla_worker:
         return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result, a.xla_worker)
     (HERE / "results").mkdir(exist_ok=True)
+    if a.tables_from:
+        saved = json.loads(Path(a.tables_from).read_text())
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return _write(out, saved["results"], saved.get("scaling", []), saved.get("failed", []),
+                      saved.get("steps", a.steps), saved.get("warmup", a.warmup), saved["repeats"],
+                      saved.get("command", "python bench/suite.py"))
     if a.two_d:
         return run_2d(a.repeats, a.steps, a.warmup)
     xla = _xla_python()
@@ -570,9 +597,12 @@ def main() -> None:
         tps = [x["tokens_per_s"] for x in done]
         row = {"strategy": strategy, "nproc": nproc, "model": model, "tokens_per_s": statistics.median(tps),
                "tokens_per_s_runs": tps, "peak_rss_gb": statistics.median(x["peak_rss_gb"] for x in done),
+               "peak_pss_gb_runs": [x["peak_pss_gb"] for x in done if "peak_pss_gb" in x],
                "state_gb": done[0]["state_gb"], "vs_fsdp2_runs": per_round("fsdp2") if nproc > 1 else [],
                "vs_xla_runs": per_round("xla") if strategy.startswith("fsdpv2") and nproc > 1 else []}
         row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_runs"]) if row["vs_fsdp2_runs"] else None
+        if row["peak_pss_gb_runs"]:
+            row["peak_pss_gb"] = statistics.median(row["peak_pss_gb_runs"])
         results.setdefault(model, []).append(row)
     scaling = []
     if not a.no_scaling:
@@ -596,15 +626,31 @@ def main() -> None:
             old["results"][model] = sorted(kept + rows, key=lambda r: order.get((r["strategy"], r["nproc"]), 99))
         results = old["results"]
         scaling = scaling or old.get("scaling", [])
+        for model, rows in results.items():
+            for r in rows:
+                r.setdefault("run", old.get("run", 1))
+                if (model, r["strategy"], r["nproc"]) in runs:
+                    r["run"] = old.get("run", 1) + 1
+    _write(out, results, scaling, failed, a.steps, a.warmup, a.repeats, " ".join(["python bench/suite.py", *sys.argv[1:]]))
+
+
+def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, warmup: int, repeats: int,
+           command: str) -> None:
+    """The tables (suite.md, README.md's block when ``out`` is bench/results), suite.json and
+    suite.png of these results."""
     import torch
 
     lines = ["## Benchmarks", "",
-             f"`python bench/suite.py` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
+             f"`{command}` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam (PyTorch's fused CPU kernel; torch_xla's runs "
              f"compile theirs into the step), one FSDP unit per decoder layer; every process with the malloc settings "
-             f"`torchspmd run` gives its workers (docs/performance.md); each run's tokens/s is the median of its {a.steps - a.warmup} timed steps; {a.repeats} runs of each "
+             f"`torchspmd run` gives its workers (docs/performance.md); each run's tokens/s is the median of its {steps - warmup} timed steps; {repeats} runs of each "
              f"configuration, interleaved (rotated order each round). The processes share the cores (OMP threads = "
              f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges.", ""]
+    later = sorted({r["run"] for rows in results.values() for r in rows if r.get("run", 1) > 1})
+    if later:
+        lines += ["Rows marked * come from a later run of the same command with `--update` (those strategies "
+                  "again, interleaved with each other the same way); ratios are always taken within one run.", ""]
     for model, rows in results.items():
         title = {"seed": "Seed decoder, 107M parameters", "llama": "transformers Llama, same shape"}[model]
         lines += _table(rows, title)
@@ -620,8 +666,9 @@ def main() -> None:
         lines.append("")
     text = "\n".join(lines)
     (out / "suite.md").write_text(text)
-    (out / "suite.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": a.repeats},
-                                               indent=1))
+    (out / "suite.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": repeats,
+                                                "steps": steps, "warmup": warmup, "failed": failed, "command": command,
+                                                "run": max([1, *later])}, indent=1))
     _plot(results, scaling, out / "suite.png")
     readme = ROOT / "README.md"
     body = readme.read_text()
