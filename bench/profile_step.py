@@ -4,7 +4,7 @@
     python bench/profile_step.py --nproc 2 --steps 6
 
 Each configuration trains bench/suite.py's seed decoder (107M parameters, one FSDPv2 unit
-per layer, Adam, global batch 4 x 64 tokens) with torchspmd FSDPv2 on n processes sharing
+per layer, fused Adam, global batch 4 x 64 tokens) with torchspmd FSDPv2 on n processes sharing
 this machine's cores. Rank 0 measures:
 
 - the step's phases with ``time.perf_counter`` around them (forward with the loss,
@@ -72,7 +72,7 @@ def worker(steps: int, warmup: int, result: str) -> None:
     mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # as bench/suite.py
     loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps + 1), batch_size=BATCH), ts.device(),
                                input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     phases: dict[str, list[float]] = {"forward + loss": [], "backward": [], "optimizer step": [],
@@ -153,7 +153,7 @@ def main() -> None:
         "# Where an FSDPv2 step's time goes",
         "",
         f"`python bench/profile_step.py --nproc {' '.join(map(str, a.nproc))} --steps {a.steps} --warmup {a.warmup}` "
-        f"on this machine: the seed decoder (107M parameters, one FSDPv2 unit per layer, Adam, 4 x 64 tokens per "
+        f"on this machine: the seed decoder (107M parameters, one FSDPv2 unit per layer, fused Adam, 4 x 64 tokens per "
         f"step), torchspmd FSDPv2, n processes sharing the cores. One run per configuration (not a speed "
         f"comparison: see suite.md).",
         "",
