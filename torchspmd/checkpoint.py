@@ -186,6 +186,12 @@ def _as_saved(optim_sd: dict, keys, prefix: str = "optim") -> dict:
     return optim_sd
 
 
+#: Optimizer options that choose how this process computes the step, not what it computes:
+#: a checkpoint's groups do not override them (a run on another engine or device, e.g. a
+#: fused AdamW on CPU resumed on XLA, where the fused kernel does not exist, keeps its own).
+_IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _load_optim_state(model, optimizer, named: dict) -> None:
     names = _names(model)
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
@@ -196,10 +202,11 @@ def _load_optim_state(model, optimizer, named: dict) -> None:
     groups = named["param_groups"]
     if isinstance(groups, bytes):
         groups = pickle.loads(groups)
+    own = [{k: g[k] for k in _IMPLEMENTATION_OPTIONS if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict({
         "state": {index[n]: v for n, v in named["state"].items() if n in index},
-        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
-                         for g in groups],
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, **(own[i] if i < len(own) else {}),
+                          "params": [index[n] for n in g["params"]]} for i, g in enumerate(groups)],
     })
 
 
