@@ -5,9 +5,11 @@
 
 Trains bench/suite.py's seed decoder (107M parameters, one FSDPv2 unit per layer, fused
 Adam, global batch 4 x 64 tokens) with torchspmd FSDPv2 on n processes, under the malloc
-settings ``torchspmd run`` gives its workers (``tuned``) and with a 4 MiB mmap threshold
-(``mmap-4MiB``: large blocks are mapped afresh and returned at once), the configurations
-interleaved over ``--repeats`` runs. Rank 0 reads its own PSS (proportional set size: a page
+settings ``torchspmd run`` gives its workers (``tuned``), with a 4 MiB mmap threshold
+(``mmap-4MiB``: large blocks are mapped afresh and returned at once) and with the gathered
+parameters copied into every process's own memory (``params-copied``:
+``TORCHSPMD_SHARED_PARAMS=0``; by default they are gathered once into shared memory), the
+configurations interleaved over ``--repeats`` runs (``--settings`` picks some). Rank 0 reads its own PSS (proportional set size: a page
 shared by k processes counts 1/k) and USS (pages only it maps) after importing torch,
 after building the model, after wrapping it, after each decoder layer's forward and
 backward, and after each step; the launcher's PSS is read from outside. The suite's
@@ -35,6 +37,8 @@ SETTINGS = {
     "tuned": {},  # the launcher's own (torchspmd._launch.MALLOC_ENV)
     "mmap-4MiB": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40),
                   "MALLOC_TOP_PAD_": str(256 * 2**20)},
+    # the gathered parameters copied into each process's memory, as FSDP2 does (the launcher's malloc settings)
+    "params-copied": {"TORCHSPMD_SHARED_PARAMS": "0"},
 }
 
 
@@ -116,14 +120,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--result")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     a = p.parse_args()
     if a.worker:
         return worker(a.steps, a.result)
     RESULTS.mkdir(exist_ok=True)
-    names = list(SETTINGS)
+    names = a.settings
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for r in range(a.repeats):
-        for k in (names if r % 2 == 0 else names[::-1]):
+        for k in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
             runs[k].append(run(k, a.nproc, a.steps))
             x = runs[k][-1]
             print(f"repeat {r + 1}: {k}: peak {x['peak_all_gb'] / a.nproc:.2f} GB per device, step {x['step_s']:.2f} s",
@@ -131,10 +136,14 @@ def main() -> None:
     import torch
 
     lines = ["# Where an FSDPv2 process's memory goes", "",
-             f"`python bench/memory_step.py --nproc {a.nproc} --steps {a.steps} --repeats {a.repeats}` on this machine "
+             f"`python bench/memory_step.py --nproc {a.nproc} --steps {a.steps} --repeats {a.repeats} --settings "
+             f"{' '.join(names)}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): the seed decoder (107M parameters, one FSDPv2 unit "
              f"per layer, fused Adam, 4 x 64 tokens per step), {a.nproc} processes. `tuned`: the malloc settings "
-             f"`torchspmd run` gives its workers; `mmap-4MiB`: the same with a 4 MiB mmap threshold. GB = 2^30 bytes.",
+             f"`torchspmd run` gives its workers; `mmap-4MiB`: the same with a 4 MiB mmap threshold; `params-copied`: "
+             f"the launcher's settings with the gathered parameters copied into each process's memory "
+             f"(TORCHSPMD_SHARED_PARAMS=0; by default they are gathered once into shared memory). Each round runs the "
+             f"settings in an order rotated by one. GB = 2^30 bytes.",
              "", "| setting | peak of all processes / devices (GB), per run | launcher PSS (GB) | step (s), per run |",
              "|---|---|---|---|"]
     for k in names:

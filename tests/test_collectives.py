@@ -4,6 +4,7 @@ native collectives' results; the shared-memory ones are exact on random fp32 and
 of variant."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_allreduce_forms_equal_native_collectives(dist, world, numel):
 def _variant(collectives):
     from torch.distributed.fsdp import FSDPModule
 
-    from torchspmd.fsdp.collectives import AllReduceAllGather, SharedMemoryAllGather
+    from torchspmd.fsdp.collectives import AllReduceAllGather, SharedMemoryAllGather, SharedParamsAllGather
 
     mesh = ts.Mesh(list(range(ts.global_runtime_device_count())), (ts.global_runtime_device_count(), 1),
                    ("fsdp", "model"))
@@ -59,13 +60,17 @@ def _variant(collectives):
     wrapped = ts.FSDPv2(model, mesh, collectives=collectives)
     units = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
     comms = [u._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm for u in units]
-    return [type(c).__name__ if isinstance(c, (AllReduceAllGather, SharedMemoryAllGather)) else "native"
-            for c in comms]
+    return [type(c).__name__ if isinstance(c, (AllReduceAllGather, SharedMemoryAllGather, SharedParamsAllGather))
+            else "native" for c in comms]
 
 
 def test_auto_picks_shared_memory_on_one_machine(dist):
-    assert dist(2).run(_variant, "auto")[0] == ["SharedMemoryAllGather"]
-    assert dist(2).run(_variant, "shm")[0] == ["SharedMemoryAllGather"]
+    from torchspmd.fsdp.collectives import _can_point_storages
+
+    # the gathered parameters live in shared memory where this torch lets FSDP2's storages point there
+    shm = "SharedParamsAllGather" if _can_point_storages() else "SharedMemoryAllGather"
+    assert dist(2).run(_variant, "auto")[0] == [shm]
+    assert dist(2).run(_variant, "shm")[0] == [shm]
     assert dist(2).run(_variant, "native")[0] == ["native"]
     assert dist(2).run(_variant, "allreduce")[0] == ["AllReduceAllGather"]
 
@@ -365,3 +370,108 @@ def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
         got = torch.empty(1003, dtype=rows.dtype)
         _sum_in_rank_order(rows, got)
         assert torch.equal(_bits(got), _bits(want.to(rows.dtype))), world
+
+
+# -- the gathered parameters in shared memory -------------------------------------------------
+def _mapping_of(ptr):
+    """(file, offset of ``ptr`` in the mapping) of the mapping of this process holding ``ptr``."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if start <= ptr < end:
+            return " ".join(fields[5:]), ptr - start
+    return "", 0
+
+
+def _nested_model():
+    """Uneven sizes (not divisible by 2, 3 or 4), a unit inside a unit, and a root with
+    parameters of its own."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(13, 11), torch.nn.Tanh(), torch.nn.Linear(11, 13))
+    return torch.nn.Sequential(torch.nn.Linear(5, 13), inner, torch.nn.Linear(13, 13), torch.nn.Tanh(),
+                               torch.nn.Linear(13, 7))
+
+
+def _train_shared(shared, late=None, steps=3):
+    """Train ``_nested_model`` under FSDPv2 (shm collectives) ``steps`` Adam steps; with
+    ``shared`` False, TORCHSPMD_SHARED_PARAMS=0 (the gathered parameters copied into each
+    process's memory). ``late``: (rank, seconds): that rank computes for a while in the
+    forward and backward of every wrapped Linear, so that the others run ahead. Returns the
+    losses, the full parameters, and for each Linear's forward (in order) where its gathered
+    weight lives: (file of the mapping, offset in it)."""
+    from torchspmd.fsdp.collectives import SHARED_PARAMS_SWITCH
+
+    os.environ[SHARED_PARAMS_SWITCH] = "1" if shared else "0"
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model"))
+    model = _nested_model()
+    wrap = {model[0], model[1], model[1][0], model[2]}
+    wrapped = ts.FSDPv2(model, mesh, collectives="shm",
+                        auto_wrap_policy=lambda module, recurse, **kw: recurse or module in wrap)
+    where = []
+
+    def look(module, args):
+        where.append(_mapping_of(module.weight.data_ptr()))
+        if late and late[0] == ts.global_ordinal():
+            _busy(late[1])
+
+    def look_back(module, grad_output):
+        if late and late[0] == ts.global_ordinal():
+            _busy(late[1])
+
+    for m in wrapped.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(look)
+            m.register_full_backward_pre_hook(look_back)
+    opt = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    warnings.filterwarnings("ignore", "Full backward hook is firing")  # the first Linear's input needs none
+    for _ in range(steps):
+        x = ts.mark_sharding(torch.randn(7, 5, generator=g), mesh, ("fsdp", None))
+        with ts.step():
+            loss = wrapped(x).sin().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses, ts.full_state_dict(wrapped), where
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gathered_parameters_live_once_in_shared_memory(dist, world):
+    """Where this torch allows it, every process reads a unit's gathered parameters from the
+    same shared pages (the same file, the same place in it, on every rank), and training
+    gives bit for bit what the copying all-gather gives; with TORCHSPMD_SHARED_PARAMS=0 the
+    gathered parameters are in each process's own memory."""
+    from torchspmd.fsdp.collectives import _can_point_storages
+
+    if not _can_point_storages():
+        pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
+    shared = dist(world).run(_train_shared, True)
+    copied = dist(world).run(_train_shared, False)
+    for (losses, state, where), (ref_losses, ref_state, ref_where) in zip(shared, copied):  # full state on rank 0
+        assert losses == ref_losses and losses == shared[0][0] and state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), k
+        assert len(where) == 3 * 5 and all("/torchspmd-" in f and f.endswith("(deleted)") for f, _ in where), where
+        assert not any("/torchspmd-" in f for f, _ in ref_where), ref_where
+    assert all(w == shared[0][2] for _, _, w in shared)  # the same pages everywhere
+
+
+@pytest.mark.parametrize("late_rank", [0, 2])
+def test_shared_parameters_with_a_late_process(dist, late_rank):
+    """One process computes for a while (0.05 s, real work) before each Linear's forward and
+    backward, so the others run ahead into the next unit's gathering: a region written before
+    every process is done reading it would show in the results. They are bit for bit those of
+    the copying all-gather without the late process, on every rank."""
+    from torchspmd.fsdp.collectives import _can_point_storages
+
+    if not _can_point_storages():
+        pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
+    late = dist(3).run(_train_shared, True, (late_rank, 0.05))
+    copied = dist(3).run(_train_shared, False)
+    for (losses, state, _), (ref_losses, ref_state, _) in zip(late, copied):  # full state on rank 0
+        assert losses == ref_losses and state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), k

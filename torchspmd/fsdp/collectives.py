@@ -6,19 +6,29 @@ is where FSDP on CPUs loses its time (``bench/collectives.py`` measures it). FSD
 variants (what each computes exactly: ``docs/performance.md``, measured by
 ``tests/test_collectives.py``):
 
-- ``"shm"`` (processes of one machine): the collectives go through shared memory. The
-  all-gather output buffer FSDP2 asks for *is* one shared buffer: once every process is
-  done with the previous parameters (a barrier when FSDP2 asks for the buffer), FSDP2
-  copies each process's shard into its slot, a second barrier, and every process reads
-  the whole parameters from it. The reduce-scatter input FSDP2 asks for is likewise this
-  process's row of one shared buffer: a barrier when FSDP2 asks for it, FSDP2 copies the
+- ``"shm"`` (processes of one machine): the collectives go through shared memory. Where
+  torch lets a storage point at memory it does not own (``UntypedStorage._swap_data_ptr_``:
+  torch 2.13 has it, 2.9 does not) and the unit's parameters are split on dim 0 and gathered as one
+  tensor each, the gathered parameters themselves live in shared memory, once for all the
+  processes (:class:`SharedParamsAllGather`): each process copies its shards into their
+  places in a shared region laid out parameter by parameter, one barrier, and every
+  parameter's storage points at its place there until FSDP2 frees it; no process copies
+  the whole parameters out. Otherwise the all-gather output buffer FSDP2 asks for *is* one
+  shared buffer: once every process is done with the previous parameters (a barrier when
+  FSDP2 asks for the buffer), FSDP2 copies each process's shard into its slot, a second
+  barrier, and every process copies the whole parameters out of it. The reduce-scatter
+  input FSDP2 asks for is this process's row of one shared buffer: a barrier when FSDP2 asks for it, FSDP2 copies the
   gradients in, a second barrier, and each process sums its own column of the rows, in
   rank order and in float32 (so every shard is the same fixed-order sum whoever arrives
   first; gloo's own sums in ring order and differs by rounding). No bytes go through a
   socket; the barriers are gloo's. The shared memory is the size of the largest unit's
-  gathered parameters plus the largest unit's gradients times the process count (what the
-  processes' own reduce-scatter input buffers took), plus 16 MB for direct calls (a buffer
-  grown out of is unmapped once nothing views it).
+  gathered parameters (the rows FSDP2 copies the shards into) plus the largest unit's
+  gradients times the process count (what the processes' own reduce-scatter input buffers
+  took), plus 16 MB for direct calls (a buffer grown out of is unmapped once nothing views
+  it), plus, with the parameters shared, the regions they are gathered into: what FSDP2
+  holds gathered at once (the root unit, the current unit and the next) and what was freed
+  since the last gather, once for all processes, where each process held its own copy
+  before.
 - ``"allreduce"``: all-gather as an all-reduce of the output holding this process's
   shard and zeros (the exact values), reduce-scatter as an in-place all-reduce keeping
   this process's slot. gloo's all-reduce beats its reduce-scatter of the same bytes
@@ -46,6 +56,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torchspmd._errors import SpmdError
 
 __all__ = ["AllReduceAllGather", "AllReduceReduceScatter", "SharedMemoryAllGather", "SharedMemoryReduceScatter",
+           "SharedParamsAllGather",
            "choose", "CHOICES"]
 
 CHOICES = ("auto", "native", "allreduce", "shm")
@@ -114,26 +125,9 @@ class _Arena:
         self.path = ""  # the (deleted) file of the current buffer
 
     def _grow(self, nbytes: int) -> None:
-        size = self.parts * nbytes
-        rank = self.group.rank()
-        made = [None, None]  # the file's path, or why it could not be made
-        if rank == 0:
-            made = _shared_file(size)
-        try:
-            dist.broadcast_object_list(made, src=dist.get_global_rank(self.group, 0), group=self.group)
-            if made[1] is not None:
-                raise SpmdError(
-                    f"FSDPv2(collectives='shm'): {made[1]}; give it more room (docker run --shm-size=...) "
-                    "or use FSDPv2(collectives='allreduce')"
-                )
-            base = torch.from_file(made[0], shared=True, size=size, dtype=torch.uint8)
-            dist.barrier(group=self.group)  # every process has mapped it
-        finally:
-            if rank == 0 and made[0] is not None:
-                os.unlink(made[0])  # the mappings live on; nothing is left in /dev/shm
+        base, self.path = _map_shared(self.group, self.parts * nbytes)
         self.halves = [base[i * nbytes:(i + 1) * nbytes] for i in range(self.parts)]
         self.capacity = nbytes
-        self.path = made[0]
 
     def next(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the next part."""
@@ -271,6 +265,243 @@ class SharedMemoryReduceScatter(ReduceScatter):
         return _Done() if async_op else None
 
 
+# -- the gathered parameters themselves in shared memory ------------------------------------
+#: ``TORCHSPMD_SHARED_PARAMS=0`` makes the shared-memory all-gather copy the gathered
+#: parameters into each process's own memory, as FSDP2 does (for measuring what sharing saves).
+SHARED_PARAMS_SWITCH = "TORCHSPMD_SHARED_PARAMS"
+
+
+def _can_point_storages() -> bool:
+    """This torch can make a parameter's storage point at memory it does not own and back
+    (``UntypedStorage._swap_data_ptr_``: torch 2.13 has it, 2.9 does not), and FSDP2's
+    copy-out can be taken over."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+
+    return (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+            and hasattr(torch._C, "_construct_storage_from_data_pointer")
+            and hasattr(group_mod, "foreach_all_gather_copy_out"))
+
+
+def _shares_params(module) -> bool:
+    """Whether ``module``'s FSDP2 unit can gather its parameters into shared memory: every
+    parameter split on dim 0, gathered as one tensor (no ``fsdp_pre_all_gather`` extension),
+    not offloaded, on the CPU."""
+    if os.environ.get(SHARED_PARAMS_SWITCH, "1") == "0" or not _can_point_storages():
+        return False
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return bool(groups) and all(
+        g.device.type == "cpu" and not fp.offload_to_cpu and fp.fsdp_placement.dim == 0
+        and not hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
+        for g in groups for fp in g.fsdp_params)
+
+
+def _map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:
+    """A new ``size``-byte shared-memory buffer every process of ``group`` maps (collective):
+    rank 0 makes the file, every process maps it, rank 0 deletes it (the mappings live on)."""
+    rank = group.rank()
+    made = [None, None]  # the file's path, or why it could not be made
+    if rank == 0:
+        made = _shared_file(size)
+    try:
+        dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
+        if made[1] is not None:
+            raise SpmdError(
+                f"FSDPv2(collectives='shm'): {made[1]}; give it more room (docker run --shm-size=...) "
+                "or use FSDPv2(collectives='allreduce')"
+            )
+        base = torch.from_file(made[0], shared=True, size=size, dtype=torch.uint8)
+        dist.barrier(group=group)  # every process has mapped it
+    finally:
+        if rank == 0 and made[0] is not None:
+            os.unlink(made[0])  # the mappings live on; nothing is left in /dev/shm
+    return base, made[0]
+
+
+class _Region:
+    """Bytes ``[start, start + nbytes)`` of slab ``slab``, holding one gather's parameters."""
+
+    __slots__ = ("slab", "start", "nbytes", "holders", "freed_at")
+
+    def __init__(self, slab: int, start: int, nbytes: int):
+        self.slab, self.start, self.nbytes = slab, start, nbytes
+        self.holders = 0  # parameters whose storage points into it
+        self.freed_at = -1  # the barrier count when the last of them was freed
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and start < self.start + self.nbytes
+
+
+class _SharedParams:
+    """The shared memory a process group's gathered parameters live in, once for all its
+    processes: slabs (mapped buffers, kept for the life of the process: parameter storages
+    point into them without owning them) carved into regions, one per gathered unit.
+
+    Every process makes the same decisions in the same order (FSDP2 gathers and frees in one
+    order everywhere), so regions, slabs and barriers agree without talking. A region whose
+    parameters were freed is written again only once every process has freed them, that is
+    once a barrier of this group has passed since the free (``epoch`` counts them)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.slabs: list[torch.Tensor] = []
+        self.regions: list[_Region] = []  # holding parameters, or freed and not yet written over
+        self.epoch = 0  # barriers this group passed here
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+        self.epoch += 1
+
+    def place(self, nbytes: int) -> _Region:
+        """A region of ``nbytes`` no process still reads: the first gap between the regions
+        holding parameters that was freed before the last barrier of this group, or a new
+        slab. (Every gather ends with a barrier, so what a gather frees is free for the
+        gather after next: a few units' worth of slabs, machine-wide, and one barrier per
+        gather.)"""
+        for s, slab in enumerate(self.slabs):
+            held = sorted((r.start, r.start + r.nbytes) for r in self.regions if r.slab == s and r.holders)
+            pos = 0
+            for a, b in held + [(slab.numel(), slab.numel())]:
+                if a - pos >= nbytes and all(r.freed_at < self.epoch for r in self.regions
+                                             if r.slab == s and not r.holders and r.overlaps(pos, pos + nbytes)):
+                    return self._take(s, pos, nbytes)
+                pos = max(pos, b)
+        slab, _ = _map_shared(self.group, -(-nbytes // 2**20) * 2**20)
+        self.epoch += 1  # _map_shared ends with a barrier
+        self.slabs.append(slab)
+        return self._take(len(self.slabs) - 1, 0, nbytes)
+
+    def _take(self, slab: int, start: int, nbytes: int) -> _Region:
+        region = _Region(slab, start, nbytes)
+        self.regions = [r for r in self.regions if r.holders or r.slab != slab
+                        or not r.overlaps(start, start + nbytes)]
+        self.regions.append(region)
+        return region
+
+
+_SHARED: dict[int, _SharedParams] = {}
+_PENDING: dict[int, "SharedParamsAllGather"] = {}  # all-gather output's address -> its collective
+_ALIGN = 64
+
+
+class SharedParamsAllGather(AllGather):
+    """All-gather whose result is the unit's parameters in shared memory, once for all the
+    processes of this machine, instead of a copy in every process.
+
+    FSDP2 asks for the output buffer and copies this process's shards into its row (a row of
+    a shared buffer only this process touches: no wait). The call does nothing. At FSDP2's
+    copy-out (taken over for these units, ``_copy_out``) each process copies its row into a
+    region of :class:`_SharedParams` laid out parameter by parameter (parameter ``p``'s
+    gathered tensor is ``[world, shard of p]`` there, as FSDP2 lays it out in its own
+    memory), waits at one barrier (every shard written), and points each parameter's
+    storage at its place in the region. When FSDP2 frees the gathered parameters, the
+    storages are pointed back at empty memory. Processes read the parameters from the same
+    pages; nothing is copied out."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        if id(group) not in _SHARED:
+            _SHARED[id(group)] = _SharedParams(group)
+        self.shared = _SHARED[id(group)]
+        _take_over_copy_out()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        part = _arena(self.group, "gather_rows").next(nbytes)
+        if part.data_ptr() in _PENDING:  # an earlier gather (explicit prefetching) is still to be copied out
+            return torch.empty(*size, dtype=dtype, device=device)
+        return part.view(dtype).view(*size)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        world, rank = group.size(), group.rank()
+        mine = output_tensor.view(world, -1)[rank]
+        if input_tensor.data_ptr() != mine.data_ptr():
+            mine.copy_(input_tensor.reshape(-1))
+        _PENDING[output_tensor.data_ptr()] = self
+        return _Done() if async_op else None
+
+    def copy_out(self, result, fsdp_params, group: dist.ProcessGroup) -> None:
+        world, rank = group.size(), group.rank()
+        if any(len(n) != 1 for n in result.param_all_gather_input_numels):
+            raise SpmdError("FSDPv2(collectives='shm'): a parameter is gathered as several tensors "
+                            "(fsdp_pre_all_gather); use collectives='allreduce'")
+        out = result.all_gather_output
+        row = out.view(world, -1)[rank].view(torch.uint8)
+        sizes = [n * out.element_size() for n in result.all_gather_input_split_sizes]  # bytes per shard
+        starts, total = [], 0
+        for b in sizes:
+            starts.append(total)
+            total += -(-world * b // _ALIGN) * _ALIGN
+        shared = self.shared
+        region = shared.place(total)
+        slab = shared.slabs[region.slab]
+        at = 0
+        for b, start in zip(sizes, starts):
+            block = slab[region.start + start:region.start + start + world * b]
+            block.view(world, b)[rank].copy_(row[at:at + b])
+            at += b
+        shared.barrier()  # every process's shards are in place
+        base = slab.data_ptr() + region.start
+        for fsdp_param, numels, dtypes, b, start in zip(fsdp_params, result.param_all_gather_input_numels,
+                                                        result.param_all_gather_input_dtypes, sizes, starts):
+            _release(fsdp_param)
+            fsdp_param.init_all_gather_outputs(numels, dtypes, world, out.device)
+            storage = fsdp_param.all_gather_outputs[0].untyped_storage()
+            storage.resize_(0)
+            storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(base + start, out.device,
+                                                                                   world * b))
+            _hold(fsdp_param, region, shared)
+
+
+def _hold(fsdp_param, region: _Region, shared: _SharedParams) -> None:
+    """``fsdp_param``'s storage points into ``region`` until FSDP2 frees it."""
+    region.holders += 1
+    fsdp_param._torchspmd_region = (region, shared)
+    if "free_unsharded_param" not in vars(fsdp_param):
+        free = fsdp_param.free_unsharded_param
+
+        def free_unsharded_param():
+            _release(fsdp_param)
+            free()
+
+        fsdp_param.free_unsharded_param = free_unsharded_param
+
+
+def _release(fsdp_param) -> None:
+    """Point ``fsdp_param``'s storage back at empty memory of its own, if it points into a region."""
+    held = getattr(fsdp_param, "_torchspmd_region", None)
+    if held is None:
+        return
+    region, shared = held
+    fsdp_param.all_gather_outputs[0].untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))
+    fsdp_param._torchspmd_region = None
+    region.holders -= 1
+    if not region.holders:
+        region.freed_at = shared.epoch
+
+
+def _take_over_copy_out() -> None:
+    """FSDP2's copy-out, for the units gathered by :class:`SharedParamsAllGather`: theirs is
+    theirs, every other all-gather goes to FSDP2's own."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+
+    original = group_mod.foreach_all_gather_copy_out
+    if getattr(original, "_torchspmd", False):
+        return
+
+    def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+        comm = _PENDING.pop(all_gather_result.all_gather_output.data_ptr(), None)
+        if comm is None:
+            return original(all_gather_result, fsdp_params, group)
+        comm.copy_out(all_gather_result, fsdp_params, group)
+
+    foreach_all_gather_copy_out._torchspmd = True  # type: ignore[attr-defined]
+    group_mod.foreach_all_gather_copy_out = foreach_all_gather_copy_out
+
+
 def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out = ((rows[0] + rows[1]) + rows[2]) + ...``, accumulated in float32 (or the
     rows' dtype when wider) and rounded to ``out``'s dtype once, at the end: one fixed
@@ -339,6 +570,7 @@ def install(module, collectives: str, one_group: bool = True) -> str:
         groups = module._get_fsdp_state()._fsdp_param_groups
         if groups:
             pg = groups[0].mesh_info.shard_process_group
-            module.set_custom_all_gather(SharedMemoryAllGather(pg))
+            gather = SharedParamsAllGather(pg) if _shares_params(module) else SharedMemoryAllGather(pg)
+            module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(SharedMemoryReduceScatter(pg))
     return variant
