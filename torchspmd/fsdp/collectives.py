@@ -173,6 +173,21 @@ def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
     return _ARENAS[key]
 
 
+def _nbytes(size: Sequence[int], dtype: torch.dtype) -> int:
+    numel = 1
+    for s in size:
+        numel *= int(s)
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def _into_own_slot(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """This process's all-gather input into its slot of the output (FSDP2 has usually put it there)."""
+    world, rank = group.size(), group.rank()
+    mine = output_tensor.view(world, -1)[rank]
+    if input_tensor.data_ptr() != mine.data_ptr():
+        mine.copy_(input_tensor.reshape(-1))
+
+
 #: Bytes of one step of the shared-memory reduce-scatter (all processes' pieces together).
 RS_STEP_BYTES = 8 * 2**20
 
@@ -187,20 +202,13 @@ class SharedMemoryAllGather(AllGather):
         self.group = group
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in size:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         arena = _arena(self.group, "all_gather")
         dist.barrier(group=self.group)  # nobody still copies out of the buffer
-        return arena.next(nbytes).view(dtype).view(*size)
+        return arena.next(_nbytes(size, dtype)).view(dtype).view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
-        world, rank = group.size(), group.rank()
-        mine = output_tensor.view(world, -1)[rank]
-        if input_tensor.data_ptr() != mine.data_ptr():
-            mine.copy_(input_tensor.reshape(-1))
+        _into_own_slot(output_tensor, input_tensor, group)
         dist.barrier(group=group)  # every slot written
         return _Done() if async_op else None
 
@@ -232,7 +240,7 @@ class SharedMemoryReduceScatter(ReduceScatter):
         for s in size:
             numel *= int(s)
         world, rank = self.group.size(), self.group.rank()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = _nbytes(size, dtype)
         arena = _arena(self.group, "reduce_scatter_input")
         dist.barrier(group=self.group)  # nobody still sums the previous input
         rows = arena.next(world * nbytes).view(dtype).view(world, numel)
@@ -405,21 +413,14 @@ class SharedParamsAllGather(AllGather):
         _take_over_copy_out()
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in size:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        part = _arena(self.group, "gather_rows").next(nbytes)
+        part = _arena(self.group, "gather_rows").next(_nbytes(size, dtype))
         if part.data_ptr() in _PENDING:  # an earlier gather (explicit prefetching) is still to be copied out
             return torch.empty(*size, dtype=dtype, device=device)
         return part.view(dtype).view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
-        world, rank = group.size(), group.rank()
-        mine = output_tensor.view(world, -1)[rank]
-        if input_tensor.data_ptr() != mine.data_ptr():
-            mine.copy_(input_tensor.reshape(-1))
+        _into_own_slot(output_tensor, input_tensor, group)
         _PENDING[output_tensor.data_ptr()] = self
         return _Done() if async_op else None
 
