@@ -392,11 +392,13 @@ def _nested_model():
                                torch.nn.Linear(13, 7))
 
 
-def _train_shared(shared, late=None, steps=3):
+def _train_shared(shared, late=None, steps=3, prefetch=False):
     """Train ``_nested_model`` under FSDPv2 (shm collectives) ``steps`` Adam steps; with
     ``shared`` False, TORCHSPMD_SHARED_PARAMS=0 (the gathered parameters copied into each
     process's memory). ``late``: (rank, seconds): that rank computes for a while in the
-    forward and backward of every wrapped Linear, so that the others run ahead. Returns the
+    forward and backward of every wrapped Linear, so that the others run ahead. ``prefetch``:
+    the first unit gathers the next two as it starts (FSDP2's explicit prefetching: two
+    gathers wait to be copied out at once). Returns the
     losses, the full parameters, and for each Linear's forward (in order) where its gathered
     weight lives: (file of the mapping, offset in it)."""
     from torchspmd.fsdp.collectives import SHARED_PARAMS_SWITCH
@@ -408,6 +410,9 @@ def _train_shared(shared, late=None, steps=3):
     wrap = {model[0], model[1], model[1][0], model[2]}
     wrapped = ts.FSDPv2(model, mesh, collectives="shm",
                         auto_wrap_policy=lambda module, recurse, **kw: recurse or module in wrap)
+    if prefetch:
+        first, second, third = (wrapped.module[i]._orig_module for i in range(3))  # the FSDP2 units
+        first.set_modules_to_forward_prefetch([second, third])
     where = []
 
     def look(module, args):
@@ -442,18 +447,21 @@ def _train_shared(shared, late=None, steps=3):
 def test_gathered_parameters_live_once_in_shared_memory(dist, world):
     """Where this torch allows it, every process reads a unit's gathered parameters from the
     same shared pages (the same file, the same place in it, on every rank), and training
-    gives bit for bit what the copying all-gather gives; with TORCHSPMD_SHARED_PARAMS=0 the
-    gathered parameters are in each process's own memory."""
+    gives bit for bit what the copying all-gather gives, also with two gathers waiting at once
+    (explicit prefetching); with TORCHSPMD_SHARED_PARAMS=0 the gathered parameters are in
+    each process's own memory."""
     from torchspmd.fsdp.collectives import _can_point_storages
 
     if not _can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
     shared = dist(world).run(_train_shared, True)
     copied = dist(world).run(_train_shared, False)
-    for (losses, state, where), (ref_losses, ref_state, ref_where) in zip(shared, copied):  # full state on rank 0
-        assert losses == ref_losses and losses == shared[0][0] and state.keys() == ref_state.keys()
+    prefetched = dist(world).run(_train_shared, True, None, 3, True)
+    for (losses, state, where), (ref_losses, ref_state, ref_where), (p_losses, p_state, _) in \
+            zip(shared, copied, prefetched):  # the full state on rank 0
+        assert losses == ref_losses == p_losses and losses == shared[0][0] and state.keys() == ref_state.keys()
         for k in ref_state:
-            assert torch.equal(state[k], ref_state[k]), k
+            assert torch.equal(state[k], ref_state[k]) and torch.equal(p_state[k], ref_state[k]), k
         assert len(where) == 3 * 5 and all("/torchspmd-" in f and f.endswith("(deleted)") for f, _ in where), where
         assert not any("/torchspmd-" in f for f, _ in ref_where), ref_where
     assert all(w == shared[0][2] for _, _, w in shared)  # the same pages everywhere

@@ -19,6 +19,9 @@ def _measure(config_dir, devices, batch, seq, dtype, out, grad_accum=1):
     # Big allocations straight from (and back to) the OS, so that the peak RSS is the peak of
     # the live tensors rather than of malloc's cached free memory.
     env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    # Each process gathers the parameters into its own memory, as each GPU does (the plan is
+    # one device's memory); shared between the processes, they would be in every one's RSS.
+    env["TORCHSPMD_SHARED_PARAMS"] = "0"
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(devices),
                         str(ROOT / "tests" / "_plan_worker.py"), str(config_dir), str(batch), str(seq), dtype, "3",
                         str(out), str(grad_accum)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)

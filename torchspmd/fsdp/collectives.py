@@ -387,7 +387,10 @@ class _SharedParams:
 
 
 _SHARED: dict[int, _SharedParams] = {}
-_PENDING: dict[int, "SharedParamsAllGather"] = {}  # all-gather output's address -> its collective
+#: id of an all-gather output not yet copied out -> (the output, its collective). Keyed by the
+#: tensor itself (held here, so its id is not reused), not by its address: FSDP2's own
+#: buffers may later reuse the address of a private one.
+_PENDING: dict[int, tuple[torch.Tensor, "SharedParamsAllGather"]] = {}
 _ALIGN = 64
 
 
@@ -414,14 +417,15 @@ class SharedParamsAllGather(AllGather):
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         part = _arena(self.group, "gather_rows").next(_nbytes(size, dtype))
-        if part.data_ptr() in _PENDING:  # an earlier gather (explicit prefetching) is still to be copied out
+        if any(t.data_ptr() == part.data_ptr() for t, _ in _PENDING.values()):
+            # an earlier gather (explicit prefetching) is still to be copied out of this part
             return torch.empty(*size, dtype=dtype, device=device)
         return part.view(dtype).view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         _into_own_slot(output_tensor, input_tensor, group)
-        _PENDING[output_tensor.data_ptr()] = self
+        _PENDING[id(output_tensor)] = (output_tensor, self)
         return _Done() if async_op else None
 
     def copy_out(self, result, fsdp_params, group: dist.ProcessGroup) -> None:
@@ -494,10 +498,12 @@ def _take_over_copy_out() -> None:
         return
 
     def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
-        comm = _PENDING.pop(all_gather_result.all_gather_output.data_ptr(), None)
-        if comm is None:
+        out = all_gather_result.all_gather_output
+        pending = _PENDING.get(id(out))
+        if pending is None or pending[0] is not out:
             return original(all_gather_result, fsdp_params, group)
-        comm.copy_out(all_gather_result, fsdp_params, group)
+        del _PENDING[id(out)]
+        pending[1].copy_out(all_gather_result, fsdp_params, group)
 
     foreach_all_gather_copy_out._torchspmd = True  # type: ignore[attr-defined]
     group_mod.foreach_all_gather_copy_out = foreach_all_gather_copy_out
