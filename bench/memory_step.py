@@ -8,7 +8,9 @@ Adam, global batch 4 x 64 tokens) with torchspmd FSDPv2 on n processes, under th
 settings ``torchspmd run`` gives its workers (``tuned``), with a 4 MiB mmap threshold
 (``mmap-4MiB``: large blocks are mapped afresh and returned at once) and with the gathered
 parameters copied into every process's own memory (``params-copied``:
-``TORCHSPMD_SHARED_PARAMS=0``; by default they are gathered once into shared memory), the
+``TORCHSPMD_SHARED_PARAMS=0``; by default they are gathered once into shared memory) and
+with the workers started as new Python processes (``subprocess``:
+``TORCHSPMD_START_METHOD=subprocess``; by default they are forks of the launcher), the
 configurations interleaved over ``--repeats`` runs (``--settings`` picks some). Rank 0 reads its own PSS (proportional set size: a page
 shared by k processes counts 1/k) and USS (pages only it maps) after importing torch,
 after building the model, after wrapping it, after each decoder layer's forward and
@@ -39,6 +41,17 @@ SETTINGS = {
                   "MALLOC_TOP_PAD_": str(256 * 2**20)},
     # the gathered parameters copied into each process's memory, as FSDP2 does (the launcher's malloc settings)
     "params-copied": {"TORCHSPMD_SHARED_PARAMS": "0"},
+    # the workers started as new Python processes (torchrun's way), not forked from the launcher
+    "subprocess": {"TORCHSPMD_START_METHOD": "subprocess"},
+}
+
+ABOUT = {
+    "tuned": "the malloc settings `torchspmd run` gives its workers, which are forks of the launcher",
+    "mmap-4MiB": "the same with a 4 MiB mmap threshold",
+    "params-copied": "the gathered parameters copied into each process's memory (TORCHSPMD_SHARED_PARAMS=0; by "
+                     "default they are gathered once into shared memory)",
+    "subprocess": "the workers started as new Python processes, as torchrun does (TORCHSPMD_START_METHOD=subprocess; "
+                  "by default they are forks of the launcher, which has imported torch and torchspmd)",
 }
 
 
@@ -139,11 +152,9 @@ def main() -> None:
              f"`python bench/memory_step.py --nproc {a.nproc} --steps {a.steps} --repeats {a.repeats} --settings "
              f"{' '.join(names)}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): the seed decoder (107M parameters, one FSDPv2 unit "
-             f"per layer, fused Adam, 4 x 64 tokens per step), {a.nproc} processes. `tuned`: the malloc settings "
-             f"`torchspmd run` gives its workers; `mmap-4MiB`: the same with a 4 MiB mmap threshold; `params-copied`: "
-             f"the launcher's settings with the gathered parameters copied into each process's memory "
-             f"(TORCHSPMD_SHARED_PARAMS=0; by default they are gathered once into shared memory). Each round runs the "
-             f"settings in an order rotated by one. GB = 2^30 bytes.",
+             f"per layer, fused Adam, 4 x 64 tokens per step), {a.nproc} processes. "
+             + " ".join(f"`{k}`: {ABOUT[k]}." for k in names)
+             + " Each round runs the settings in an order rotated by one. GB = 2^30 bytes.",
              "", "| setting | peak of all processes / devices (GB), per run | launcher PSS (GB) | step (s), per run |",
              "|---|---|---|---|"]
     for k in names:

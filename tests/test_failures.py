@@ -26,10 +26,12 @@ rank = dist.get_rank()
 """
 
 
-def _run(tmp_path, body):
+def _run(tmp_path, body, start="fork"):
+    """``body`` under ``torchspmd run --nproc 2``, the workers started by ``start`` (forks of the
+    launcher, the default, or new Python processes: TORCHSPMD_START_METHOD)."""
     script = tmp_path / "prog.py"
     script.write_text(HEAD + textwrap.dedent(body))
-    env = clean_env()
+    env = clean_env(TORCHSPMD_START_METHOD=start)
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script)],
                        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     summary = [l for l in r.stderr.splitlines() if l.startswith("torchspmd: ")]
@@ -46,12 +48,13 @@ def _no_agent_noise(stderr):
     assert "failed (exitcode" not in stderr and "closing signal" not in stderr, stderr
 
 
-def test_rank_1_raises(tmp_path):
+@pytest.mark.parametrize("start", ["fork", "subprocess"])
+def test_rank_1_raises(tmp_path, start):
     r, summary, script = _run(tmp_path, """
         if rank == 1:
             raise ValueError("bad thing 0.7313")
         dist.barrier()
-    """)
+    """, start)
     assert r.returncode == 1, r.stderr
     assert "[rank1]: ValueError: bad thing 0.7313" in r.stderr  # its traceback is kept
     assert summary[0] == (f"torchspmd: rank 1 failed: ValueError: bad thing 0.7313 (at {_line(script, 'raise')}); "
@@ -103,11 +106,12 @@ def test_the_same_error_on_every_rank(tmp_path):
                           f"torchspmd: rank {1 - first} was stopped (SIGTERM) after rank {first} failed"), summary
 
 
+@pytest.mark.parametrize("start", ["fork", "subprocess"])
 @pytest.mark.parametrize("how, code, said", [
     ("os._exit(3)", 3, "torchspmd: rank 1 exited with code 3 and recorded no exception"),
     ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9, "torchspmd: rank 1 was killed by SIGKILL"),
 ])
-def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said):
+def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start):
     r, summary, _ = _run(tmp_path, f"""
         t = torch.randn(8)
         dist.all_reduce(t)
@@ -115,7 +119,7 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said):
             {how}
         dist.all_reduce(t)  # rank 0 waits here for a peer that is gone
         threading.Event().wait()
-    """)
+    """, start)
     assert r.returncode == code, r.stderr
     assert summary[0].startswith(said), r.stderr
     assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 0 ") and "after rank 1 failed" in summary[1]

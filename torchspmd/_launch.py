@@ -85,6 +85,27 @@ def release_freed_memory() -> None:
     trim(0)
 
 
+# glibc's mallopt(3) parameter numbers for MALLOC_ENV's variables: a forked worker does not
+# read the environment's malloc settings (glibc reads them once, at process start), so
+# they are applied to it with mallopt.
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
+
+
+def _apply_malloc_settings(settings: dict[str, str]) -> None:
+    """Set ``settings`` (:data:`MALLOC_ENV`'s variables) in this running process."""
+    if not settings or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for name, value in settings.items():
+        mallopt(_MALLOPT[name], min(int(value), 2**31 - 1))
+
+
 def _threads_per_process(nproc: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // nproc)
@@ -291,11 +312,128 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
     return "\n".join(lines), code
 
 
+#: ``TORCHSPMD_START_METHOD``: how ``torchspmd run`` starts its workers. ``fork`` (the
+#: default on Linux where no CUDA device is visible): each worker is a fork of the launcher,
+#: which has imported torch and torchspmd, and runs the program in that interpreter
+#: (``runpy``), so the workers share the imported runtime's memory with each other and with
+#: the launcher. ``subprocess``: torchrun's own way, a new Python per worker.
+START_METHOD_ENV = "TORCHSPMD_START_METHOD"
+_START_METHODS = ("fork", "subprocess")
+
+
+def _start_method(parsed) -> str:
+    method = os.environ.get(START_METHOD_ENV, "")
+    if method and method not in _START_METHODS:
+        raise SpmdError(f"{START_METHOD_ENV}={method!r}: expected 'fork' (a fork of the launcher runs the program; "
+                        "the default on Linux without CUDA) or 'subprocess' (torchrun's: a new Python per worker)")
+    if parsed.no_python or parsed.run_path:  # torchrun's own ways of running the program: kept
+        return "subprocess"
+    if method:
+        return method
+    if not sys.platform.startswith("linux"):
+        return "subprocess"
+    import torch
+
+    # A process that has initialised CUDA cannot be forked into CUDA workers.
+    return "subprocess" if torch.cuda.is_available() else "fork"
+
+
+def _run_program(program: str, *args: str) -> None:
+    """A forked worker's entry point (``TORCHSPMD_START_METHOD=fork``): run the program as
+    ``python -u program args...`` (``program`` ``"-m"``: ``python -u -m module args...``)
+    would: as ``__main__``, with that ``sys.argv`` and ``sys.path[0]``, the signal handlers
+    and malloc settings of a new process, unbuffered output, and ``atexit`` handlers run at
+    the end. An uncaught exception goes to ``sys.excepthook`` (where ``use_spmd()`` records
+    it for the summary and torch prints it with its ``[rankN]:`` prefix) and exits with
+    status 1, as in a new process."""
+    import atexit
+    import runpy
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)  # the agent's handlers (its SignalException) are not the program's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _apply_malloc_settings({k: v for k, v in os.environ.items() if k in _MALLOPT and MALLOC_ENV.get(k) == v})
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read the launcher's environment when torch loaded
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=True)
+        except (AttributeError, ValueError):
+            pass
+    code = 0
+    try:
+        if program == "-m":
+            sys.argv = list(args)
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [program, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(program))
+            runpy.run_path(program, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:  # noqa: BLE001 - printed and recorded as Python would, then exit 1
+        sys.excepthook(type(e), e, e.__traceback__)
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+    if code not in (0, None):
+        raise SystemExit(code)
+
+
+def _every_failure(poll):
+    """``MultiprocessContext._poll`` (torch's context for forked workers) reporting every
+    worker that failed, as its context for subprocess workers does: torch's reports only
+    the first one ``multiprocessing`` noticed, which is not always the one that failed first
+    (``summarize`` orders them by their recorded times)."""
+
+    def _poll(self):
+        result = poll(self)
+        processes = getattr(getattr(self, "_pc", None), "processes", None)
+        if result is None or not result.failures or processes is None:
+            return result
+        for rank, proc in enumerate(processes):
+            if rank not in result.failures and proc.exitcode not in (0, None):
+                result.failures[rank] = ProcessFailure(local_rank=rank, pid=proc.pid, exitcode=proc.exitcode,
+                                                       error_file=self.error_files[rank])
+        return result
+
+    _poll._torchspmd_every_failure = True  # type: ignore[attr-defined]
+    return _poll
+
+
+def _forked(parsed) -> None:
+    """Set ``parsed`` (torchrun's arguments) to start the workers as forks running
+    :func:`_run_program`; prepare the launcher for being forked."""
+    import gc
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    if not getattr(MultiprocessContext._poll, "_torchspmd_every_failure", False):
+        MultiprocessContext._poll = _every_failure(MultiprocessContext._poll)
+
+    if parsed.module:
+        parsed.training_script_args = [parsed.training_script, *parsed.training_script_args]
+        parsed.training_script, parsed.module = "-m", False
+    parsed.run_path, parsed.start_method = True, "fork"
+    torchrun.run_script_path = _run_program  # the entry point torchrun's run_path starts
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.collect()
+    gc.freeze()  # the collector does not touch (copy) the launcher's objects in the workers
+
+
 def launch(torchrun_args: list[str], nproc: int | None) -> int:
     """Run torchrun with ``torchrun_args`` (its own options, then the program and its
     arguments); return the exit status. Single-host runs get a private rendezvous
-    (``--standalone``) unless the arguments name one. On failure, print the summary
-    (``summarize``) on stderr."""
+    (``--standalone``) unless the arguments name one. Workers are forks of this process
+    unless ``TORCHSPMD_START_METHOD=subprocess`` (:data:`START_METHOD_ENV`). On failure,
+    print the summary (``summarize``) on stderr."""
+    import torch.distributed.run as torchrun
     from torch.distributed.run import get_args_parser, run
 
     args = list(torchrun_args)
@@ -313,6 +451,10 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
         n = int(per_node) if str(per_node).isdigit() else 1
         os.environ["OMP_NUM_THREADS"] = str(_threads_per_process(n))
     os.environ.update(_allocator_env(os.environ))
+    fork = _start_method(parsed) == "fork"
+    if fork:
+        entry = torchrun.run_script_path
+        _forked(parsed)
     # With restarts allowed, the agent's lines are the only word of an attempt that failed.
     agent_log = _AgentLog(quiet=int(parsed.max_restarts) == 0)
     logger = logging.getLogger(_AGENT_LOGGER)
@@ -325,6 +467,8 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
         return code
     finally:
         logger.removeFilter(agent_log)
+        if fork:
+            torchrun.run_script_path = entry
     return 0
 
 
