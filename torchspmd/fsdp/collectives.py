@@ -400,7 +400,7 @@ class SharedParamsAllGather(AllGather):
 
     FSDP2 asks for the output buffer and copies this process's shards into its row (a row of
     a shared buffer only this process touches: no wait). The call does nothing. At FSDP2's
-    copy-out (taken over for these units, ``_copy_out``) each process copies its row into a
+    copy-out (taken over for these units, ``copy_out``) each process copies its row into a
     region of :class:`_SharedParams` laid out parameter by parameter (parameter ``p``'s
     gathered tensor is ``[world, shard of p]`` there, as FSDP2 lays it out in its own
     memory), waits at one barrier (every shard written), and points each parameter's
