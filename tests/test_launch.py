@@ -184,7 +184,13 @@ PROGRAM = textwrap.dedent(
     block = libc.malloc(24 << 20)  # under the launcher's malloc settings: from the heap, not a fresh mapping
     print(f"rank {rank} name={__name__} argv={'|'.join(sys.argv)} path0={sys.path[0]} preloaded={preloaded} "
           f"threads={torch.get_num_threads()} heap={block < libc.sbrk(0)} private_mb={private_mb():.0f}", flush=True)
-    atexit.register(lambda: print(f"rank {rank} atexit", flush=True))
+    import threading, time
+    done = []
+    def late():  # a non-daemon thread: the program ends when it has, before atexit
+        time.sleep(0.2)
+        done.append(1)
+    threading.Thread(target=late).start()
+    atexit.register(lambda: print(f"rank {rank} atexit thread_done={bool(done)}", flush=True))
     sys.exit(int(sys.argv[-1]))
     """
 )
@@ -218,7 +224,8 @@ def test_workers_run_the_program_as_python_would(tmp_path, start, as_module):
         assert w["argv"].split("|") == [str(pkg / "prog.py"), "x", "0"], w
         assert w["path0"] == str(tmp_path if as_module else pkg), w
         assert w["preloaded"] == str(start == "fork"), w
-    assert sorted(l for l in r.stdout.splitlines() if l.endswith(" atexit")) == ["rank 0 atexit", "rank 1 atexit"]
+    assert sorted(l for l in r.stdout.splitlines() if " atexit " in l) == ["rank 0 atexit thread_done=True",
+                                                                            "rank 1 atexit thread_done=True"]
     # the exit status of a program that calls sys.exit(3)
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", *target, "x", "3"],
                        capture_output=True, text=True, timeout=240, cwd=tmp_path,

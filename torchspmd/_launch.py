@@ -342,8 +342,8 @@ def _run_program(program: str, *args: str) -> None:
     """A forked worker's entry point (``TORCHSPMD_START_METHOD=fork``): run the program as
     ``python -u program args...`` (``program`` ``"-m"``: ``python -u -m module args...``)
     would: as ``__main__``, with that ``sys.argv`` and ``sys.path[0]``, the signal handlers
-    and malloc settings of a new process, unbuffered output, and ``atexit`` handlers run at
-    the end. An uncaught exception goes to ``sys.excepthook`` (where ``use_spmd()`` records
+    and malloc settings of a new process, unbuffered output, and at the end its non-daemon
+    threads waited for, then its ``atexit`` handlers run. An uncaught exception goes to ``sys.excepthook`` (where ``use_spmd()`` records
     it for the summary and torch prints it with its ``[rankN]:`` prefix) and exits with
     status 1, as in a new process."""
     import atexit
@@ -379,6 +379,10 @@ def _run_program(program: str, *args: str) -> None:
         sys.excepthook(type(e), e, e.__traceback__)
         code = 1
     finally:
+        import threading
+
+        # as the interpreter ends: wait for the program's non-daemon threads, then atexit
+        getattr(threading, "_shutdown", lambda: None)()
         atexit._run_exitfuncs()
     if code not in (0, None):
         raise SystemExit(code)
