@@ -255,3 +255,23 @@ def test_bad_start_method_is_a_clear_error(script):
              TORCHSPMD_START_METHOD="spawn")
     assert r.returncode != 0
     assert "TORCHSPMD_START_METHOD='spawn': expected 'fork'" in r.stderr, r.stderr
+
+
+def test_an_uncaught_keyboard_interrupt_ends_a_forked_worker_as_it_ends_python(tmp_path):
+    # Python ends a program that an uncaught KeyboardInterrupt stopped by SIGINT, after its
+    # traceback and atexit handlers; a forked worker does the same (the oracle: `python prog.py`).
+    prog = tmp_path / "prog.py"
+    prog.write_text("import atexit\natexit.register(print, 'atexit ran', flush=True)\nraise KeyboardInterrupt\n")
+    python = _run([sys.executable, str(prog)])
+    forked = _run([sys.executable, "-c", textwrap.dedent(f"""
+        import multiprocessing as mp
+        from torchspmd._launch import _run_program
+        p = mp.get_context("fork").Process(target=_run_program, args=({str(prog)!r},))
+        p.start(); p.join()
+        print("exitcode", p.exitcode)
+        """)])
+    assert python.returncode == -2, python.stderr
+    assert forked.stdout.split() == ["atexit", "ran", "exitcode", "-2"], (forked.stdout, forked.stderr)
+    assert python.stdout.split() == ["atexit", "ran"]
+    for r in (python, forked):
+        assert r.stderr.rstrip().endswith("KeyboardInterrupt"), r.stderr

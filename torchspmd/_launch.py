@@ -363,7 +363,7 @@ def _run_program(program: str, *args: str) -> None:
             stream.reconfigure(line_buffering=True, write_through=True)
         except (AttributeError, ValueError):
             pass
-    code = 0
+    code, interrupted = 0, False
     try:
         if program == "-m":
             sys.argv = list(args)
@@ -377,13 +377,20 @@ def _run_program(program: str, *args: str) -> None:
         code = e.code
     except BaseException as e:  # noqa: BLE001 - printed and recorded as Python would, then exit 1
         sys.excepthook(type(e), e, e.__traceback__)
-        code = 1
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
     finally:
         import threading
 
         # as the interpreter ends: wait for the program's non-daemon threads, then atexit
         getattr(threading, "_shutdown", lambda: None)()
         atexit._run_exitfuncs()
+    if interrupted:
+        # Python ends a program that a KeyboardInterrupt ended by SIGINT, so that whoever
+        # started it sees the interrupt (exit status 128 + 2 in a shell)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     if code not in (0, None):
         raise SystemExit(code)
 
