@@ -210,6 +210,32 @@ def test_a_bad_checkpoint_raises_a_clear_error_on_every_process(dist, tmp_path, 
         assert m.startswith(f"checkpoint {path}") and expected in m, messages
 
 
+def test_a_metadata_file_that_asks_for_a_huge_memo_is_refused_before_it_is_unpickled(tmp_path):
+    # A damaged .metadata whose first bytes are a pickle opcode storing at memo index 2**26:
+    # Python's unpickler would fill a 1 GB memo before reading on (with a larger index,
+    # enough to have the process killed for memory; a random garbage file did that once).
+    # The check reads the opcodes first and refuses it, in another process so that its
+    # peak memory can be read.
+    ck = tmp_path / "step-00000001"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(b"\x80\x04N" + b"r" + (2**26).to_bytes(4, "little") + bytes(64))
+    (ck / "state.pt").write_bytes(b"")
+    code = f"""
+import resource
+from torchspmd.checkpoint import BadCheckpoint, check
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    check({str(ck)!r})
+except BadCheckpoint as e:
+    print(e)
+print("grew_mb", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"checkpoint {ck} is corrupt: .metadata cannot be read (UnpicklingError" in r.stdout, r.stdout
+    assert float(r.stdout.split("grew_mb")[1]) < 100, r.stdout
+
+
 FIX = ("; delete that directory to resume from the checkpoint before it, or set checkpoint.resume to another "
        "checkpoint directory (or 'none' to start over)")
 

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
 import shutil
 import signal
@@ -182,7 +183,7 @@ def _as_saved(optim_sd: dict, keys, prefix: str = "optim") -> dict:
     """The optimizer target in the layout of a checkpoint written before the groups were
     one value (DCP had flattened them, a key per group entry)."""
     if f"{prefix}.param_groups" not in keys and f"{prefix}.param_groups.0.lr" in keys:
-        optim_sd = {**optim_sd, "param_groups": pickle.loads(optim_sd["param_groups"])}
+        optim_sd = {**optim_sd, "param_groups": pickle.loads(_well_formed_pickle(optim_sd["param_groups"]))}
     return optim_sd
 
 
@@ -201,7 +202,7 @@ def _load_optim_state(model, optimizer, named: dict) -> None:
         raise SpmdError(f"checkpoint: no optimizer state for {missing[0]!r}; it was saved from another model")
     groups = named["param_groups"]
     if isinstance(groups, bytes):
-        groups = pickle.loads(groups)
+        groups = pickle.loads(_well_formed_pickle(groups))
     own = [{k: g[k] for k in _IMPLEMENTATION_OPTIONS if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict({
         "state": {index[n]: v for n, v in named["state"].items() if n in index},
@@ -299,6 +300,7 @@ def check(path: str | Path):
         if not has[name]:
             raise BadCheckpoint(f"checkpoint {path} is incomplete: {name} ({what}) is missing")
     try:
+        _well_formed_pickle((path / ".metadata").read_bytes())
         meta = dcp.FileSystemReader(str(path)).read_metadata()
         files = _storage_files(meta)
     except Exception as e:
@@ -312,6 +314,24 @@ def check(path: str | Path):
             raise BadCheckpoint(f"checkpoint {path} is corrupt: the shard file {name} is truncated "
                                 f"({have} bytes, its index needs {size})")
     return meta
+
+
+_MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
+def _well_formed_pickle(data: bytes) -> bytes:
+    """``data`` if it is one whole pickle whose memo indices fit in it; an
+    ``UnpicklingError`` otherwise. It reads the opcodes without running them: Python's
+    unpickler, given a damaged file, sizes its memo from an index it reads (a few bytes
+    of garbage can make it fill gigabytes and the process be killed for memory) before it
+    finds that the rest is garbage."""
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            if op.name in _MEMO_OPS and not 0 <= int(arg) < len(data):
+                raise ValueError(f"memo index {arg} in a pickle of {len(data)} bytes")
+    except ValueError as e:
+        raise pickle.UnpicklingError(str(e)) from None
+    return data
 
 
 def _why(e: BaseException) -> str:
