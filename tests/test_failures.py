@@ -205,8 +205,16 @@ def test_an_error_the_cli_prints_is_summarised_as_printed(tmp_path):
     """)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.count("no-such-checkpoint: not a torchspmd checkpoint") == 1, r.stderr  # once, by rank 0
-    assert summary[0].endswith("no-such-checkpoint: not a torchspmd checkpoint (or an output directory holding one)")
+    message = "no-such-checkpoint: not a torchspmd checkpoint (or an output directory holding one)"
+    # once: by rank 0, or by the summary when rank 1 ended first and the launcher stopped rank 0
+    # before it printed (seen with the machine loaded)
+    assert r.stderr.count(message) == 1, r.stderr
+    if summary[0].startswith("torchspmd: rank "):
+        assert summary[0].startswith("torchspmd: rank 1 failed: SpmdError: ") and message in summary[0], summary
+        assert "printed above" not in summary[0], summary  # no traceback promised, none printed
+        assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 0 "), summary
+        return
+    assert summary[0].endswith(message), summary
     assert len(summary) == 3, summary
     assert summary[1].startswith("torchspmd: rank ") and summary[1].endswith(
         "failed: SpmdError (its message is printed above)"), summary
