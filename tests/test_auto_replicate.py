@@ -2,6 +2,7 @@
 computes locally with DDP's reducer once its forward is found row-local, and stays
 exact. The oracle is the same program in this (plain PyTorch) process."""
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -173,5 +174,19 @@ def _switch_off():
 def test_switched_off_stays_on_dtensor(dist):
     ref = _run("net", 8 * 3, 8)
     results = dist(2).run(_switch_off)
+    _check(results, ref)
+    assert all(r[3] == [] for r in results)
+
+
+def _switched_off_by_the_environment():
+    os.environ["TORCHSPMD_AUTO_REPLICATE"] = "0"  # (the pool undoes it after the task)
+    return _run("net", 8 * 3, 8, spmd=True)
+
+
+def test_the_environment_switch_is_read_when_the_path_is_asked(dist):
+    # These workers imported torchspmd before the variable was set, as a forked worker of
+    # `torchspmd run` did in its launcher before its program set it: still off.
+    ref = _run("net", 8 * 3, 8)
+    results = dist(2).run(_switched_off_by_the_environment)
     _check(results, ref)
     assert all(r[3] == [] for r in results)

@@ -178,7 +178,16 @@ def replicate(
 # The automatic path: a program without a wrapper at DDP's speed.
 # ---------------------------------------------------------------------------
 
-_AUTO = {"enabled": os.environ.get("TORCHSPMD_AUTO_REPLICATE", "1") != "0"}
+#: ``set_auto_replicate``'s choice; None: the environment's, read when the path is asked (a
+#: forked worker imported this module in the launcher, before its program set the variable)
+_AUTO: dict = {"enabled": None}
+
+
+def _auto_enabled() -> bool:
+    chosen = _AUTO["enabled"]
+    return os.environ.get("TORCHSPMD_AUTO_REPLICATE", "1") != "0" if chosen is None else chosen
+
+
 _TLS = threading.local()
 _STATES: "weakref.WeakKeyDictionary[nn.Module, _AutoState]" = weakref.WeakKeyDictionary()
 _OWNED: "weakref.WeakValueDictionary[int, _AutoState]" = weakref.WeakValueDictionary()
@@ -186,13 +195,17 @@ _INSTALLED: list = []
 _UNEVEN_CHECKS = 3  # a kind of call only ever seen unevenly split is then left on DTensor
 
 
-def set_auto_replicate(enabled: bool) -> bool:
-    """Turn the automatic data-parallel path on or off (default on; the environment
-    variable ``TORCHSPMD_AUTO_REPLICATE=0`` starts with it off). Returns the previous
-    setting. Off, a module without a wrapper always computes through DTensor. Every
-    process must make the same call at the same point of the program."""
+def set_auto_replicate(enabled: bool | None) -> bool | None:
+    """Turn the automatic data-parallel path on or off (default on; without a call, the
+    environment variable ``TORCHSPMD_AUTO_REPLICATE=0`` turns it off, read each time the
+    path is asked, so a program that sets it before its first call is obeyed even in a
+    worker that imported torchspmd earlier). ``None`` goes back to the environment's
+    setting. Returns the previous setting (``None``: it followed the environment), so
+    ``set_auto_replicate(previous)`` restores it. Off, a module without a wrapper always
+    computes through DTensor. Every process must make the same call at the same point of
+    the program."""
     previous = _AUTO["enabled"]
-    _AUTO["enabled"] = bool(enabled)
+    _AUTO["enabled"] = None if enabled is None else bool(enabled)
     return previous
 
 
@@ -428,7 +441,7 @@ class _AutoState:
         self.local = self.converting = False
         self.using_ddp = None
         stack = _stack()
-        if not (_AUTO["enabled"] and len(stack) == 1 and stack[0] is module) or _in_backward():
+        if not (_auto_enabled() and len(stack) == 1 and stack[0] is module) or _in_backward():
             return None
         sig, info = _inputs(module, args, kwargs)
         if sig is None:
@@ -478,7 +491,7 @@ def _global_pre(module, args):
         return None
     stack = _stack()
     stack.append(module)
-    if len(stack) == 1 and _AUTO["enabled"] and module not in _STATES and not _in_backward() \
+    if len(stack) == 1 and _auto_enabled() and module not in _STATES and not _in_backward() \
             and _eligible_module(module):
         # First call: its hooks act from the next call on; this one is checked (its end,
         # which sees the keyword arguments too, tells whether it was one split batch).
