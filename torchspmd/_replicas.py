@@ -1,7 +1,7 @@
 """Replicated values that agree on every process.
 
 A replicated parameter is one value: every process must hold the same bits. ``agree``
-checks that cheaply (a 64-bit digest of each tensor's bytes, compared with one small
+checks that cheaply (a 62-bit digest of each tensor's bytes, compared with one small
 all-reduce) and, where some process differs, copies rank 0's value to every process, as
 DDP does at construction. Programs that build their model after ``use_spmd()`` (one
 random state everywhere) pass the check without copying anything.
@@ -9,6 +9,7 @@ random state everywhere) pass the check without copying anything.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Sequence
 
@@ -20,18 +21,26 @@ _PRIME = 1_000_003
 
 
 def digest(t: torch.Tensor) -> int:
-    """A position-weighted sum of the tensor's bytes (exact integer arithmetic, so NaNs and
-    signed zeros count as their bits)."""
+    """A 62-bit digest of the tensor's bytes (its bits: NaNs and signed zeros count as
+    theirs), the same on every process for the same bytes on the same kind of device.
+
+    A CPU tensor's bytes are hashed in place with SHA-256 (no copy; about 1.3 GB/s on a core
+    with SHA instructions, which a 107M-parameter model's 0.43 GB of parameters took 8.8 s
+    to get through at 4 processes with the kernel form below). Other devices get a
+    position-weighted sum of the bytes computed there (exact integer arithmetic), so the
+    tensor does not travel to the host."""
     data = t.detach().contiguous().reshape(-1)
     if data.numel() == 0:
         return 0
-    raw = data.view(torch.uint8) if data.element_size() > 0 else data
+    raw = data.resolve_conj().resolve_neg().view(torch.uint8)
+    if raw.device.type == "cpu":
+        return int.from_bytes(hashlib.sha256(raw.numpy()).digest()[:8], "little") >> 2
     total = 0
     for start in range(0, raw.numel(), _CHUNK):
         part = raw[start:start + _CHUNK].to(torch.int32)  # products stay below 2**31: 255 * _PRIME
         weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device) % _PRIME + 1
         total += int((part * weights.to(torch.int32)).sum(dtype=torch.int64))
-    return total
+    return total % (1 << 62)
 
 
 def _group_root(group) -> int:
