@@ -338,6 +338,94 @@ def _start_method(parsed) -> str:
     return "subprocess" if torch.cuda.is_available() else "fork"
 
 
+#: Libraries whose import a forked worker would repeat (1-3 s and 40-170 MB each per process):
+#: the launcher runs a program's leading imports of them before it forks (``_preload``).
+PRELOAD = ("transformers", "trl", "peft", "datasets", "accelerate")
+PRELOAD_SWITCH = "TORCHSPMD_PRELOAD"
+_COMPAT_PREFIXES = ("torch_xla", "optimum.tpu")
+
+
+def _leading_imports(path: str, compat: bool) -> list:
+    """The import statements of :data:`PRELOAD`'s libraries at the top of the program at
+    ``path``, in order, up to its first statement that could change what an import does
+    (anything but a docstring, ``from __future__``, or an import of a module already loaded
+    here, of the standard library, of a :data:`PRELOAD` library, or under ``--xla-compat`` of
+    ``torch_xla`` / ``optimum.tpu``). A library the program's own directory shadows is not
+    taken."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    here = os.path.dirname(os.path.abspath(path))
+
+    def kind(name: str) -> str:
+        top = name.split(".")[0]
+        if compat and any(name == p or name.startswith(p + ".") for p in _COMPAT_PREFIXES):
+            return "pass"
+        if top in PRELOAD:
+            shadowed = os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+            return "stop" if shadowed else "preload"
+        if top in sys.modules or top in sys.stdlib_module_names:
+            return "pass"
+        return "stop"
+
+    out = []
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        if isinstance(node, ast.Import):
+            kinds = [kind(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            kinds = [kind(node.module)]
+        else:
+            break
+        if "stop" in kinds:
+            break
+        if "preload" in kinds:
+            out.append(node)
+    return out
+
+
+def _preload(path: str, compat: bool) -> list[str]:
+    """Import what the program at ``path`` imports first from :data:`PRELOAD`'s libraries
+    (``_leading_imports``), here, before the workers are forked: they find those modules
+    loaded, their pages shared, instead of each importing them (as the launcher's torch).
+    ``from m import a`` also reads ``m.a`` (transformers loads its model classes at that
+    point). The first failure ends it, silently: the workers then meet it themselves, as
+    the program would. ``TORCHSPMD_PRELOAD=0`` turns it off. Returns the modules imported."""
+    import ast
+    import importlib
+
+    if os.environ.get(PRELOAD_SWITCH, "1") == "0":
+        return []
+    done = []
+    for node in _leading_imports(path, compat):
+        try:
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if alias.name == "*":
+                        continue
+                    try:
+                        getattr(module, alias.name)
+                    except AttributeError:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                done.append(node.module)
+            else:
+                for alias in node.names:
+                    if alias.name.split(".")[0] in PRELOAD:
+                        importlib.import_module(alias.name)
+                        done.append(alias.name)
+        except Exception:  # noqa: BLE001 - the worker's own import raises it, as in the program
+            break
+    return done
+
+
 def _run_program(program: str, *args: str) -> None:
     """A forked worker's entry point (``TORCHSPMD_START_METHOD=fork``): run the program as
     ``python -u program args...`` (``program`` ``"-m"``: ``python -u -m module args...``)
@@ -435,6 +523,11 @@ def _forked(parsed) -> None:
     if parsed.module:
         parsed.training_script_args = [parsed.training_script, *parsed.training_script_args]
         parsed.training_script, parsed.module = "-m", False
+    program, args = parsed.training_script, parsed.training_script_args
+    if program == "-m" and args[:1] == ["torchspmd.compat"] and len(args) > 1 and args[1] != "-m":
+        _preload(args[1], compat=True)
+    elif program != "-m":
+        _preload(program, compat=False)
     parsed.run_path, parsed.start_method = True, "fork"
     torchrun.run_script_path = _run_program  # the entry point torchrun's run_path starts
     sys.stdout.flush()
