@@ -203,3 +203,31 @@ def test_optimizer_keeps_its_own_implementation_when_resuming(dist, tmp_path):
 def test_checkpoint_of_the_former_layout_loads(dist, tmp_path):
     for flattened, same, moments, lr in dist(2).run(_legacy_checkpoint, str(tmp_path)):
         assert flattened and same and moments and lr == 0.01
+
+
+def test_the_models_code_is_imported_before_the_workers_are_forked(tmp_path):
+    # run() imports the model class's transformers modules in the launching process (nothing
+    # built), so the forked workers share them; the seed decoder needs none; a bad name is left
+    # to build_model's error.
+    import subprocess
+    import sys
+
+    from _helpers import clean_env
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=32).save_pretrained(tmp_path)
+    # one process, the cases in an order where each shows something new
+    code = ("import sys\nfrom torchspmd.train.config import ModelConfig\n"
+            "from torchspmd.train.models import import_model_code\n"
+            "for name, pretrained in [('seed', ''), ('notamodel', ''), ('gpt2', ''), ('seed', sys.argv[1])]:\n"
+            "    import_model_code(ModelConfig(name=name, pretrained=pretrained))\n"
+            "    print(sorted(m for m in sys.modules if m.endswith(('modeling_llama', 'modeling_gpt2')))"
+            " or 'transformers' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=clean_env(),
+                       timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["False", "True", "['transformers.models.gpt2.modeling_gpt2']",
+                                     "['transformers.models.gpt2.modeling_gpt2', "
+                                     "'transformers.models.llama.modeling_llama']"], r.stdout

@@ -18,7 +18,7 @@ from torchspmd import checkpoint as ckpt
 from torchspmd._errors import SpmdError
 from torchspmd.train import data as tdata
 from torchspmd.train.config import TrainConfig
-from torchspmd.train.models import build_model, model_vocab, init_weights, layer_classes, logits_of
+from torchspmd.train.models import build_model, import_model_code, model_vocab, init_weights, layer_classes, logits_of
 
 # Dense bf16 peak FLOP/s per device, for model FLOPs utilisation; other devices report none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
@@ -314,6 +314,7 @@ def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> d
 
 
 def run(cfg: TrainConfig, explain: bool = False) -> dict:
+    import_model_code(cfg.model)  # before use_spmd() forks the workers: imported once, for all of them
     try:
         ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
     except SpmdError as e:

@@ -81,6 +81,23 @@ def model_vocab(cfg, tokenizer) -> int:
     return cfg.vocab_size or tokenizer.vocab_size
 
 
+def import_model_code(cfg) -> None:
+    """Import the transformers modules that define ``cfg``'s model class, nothing built (the
+    launcher does it before it forks the workers, which then find them loaded, their pages
+    shared, instead of each importing them). Anything that goes wrong is left to
+    ``build_model``, which reports it."""
+    if cfg.name == "seed" and not cfg.pretrained:
+        return
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = pretrained_config(cfg.pretrained).model_type if cfg.pretrained else cfg.name
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    except Exception:  # noqa: BLE001 - build_model raises the error the job reports
+        pass
+
+
 def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     """The model (parameters on meta if ``cfg.meta_init``) and a description: kind,
     max positions, the hf config (or None)."""
