@@ -161,6 +161,24 @@ def _truncate(f: Path) -> None:
         h.truncate(f.stat().st_size // 2)
 
 
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+class _RunsCode:
+    """Unpickling it would call _touch: a state.pt that runs code when it is loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (_touch, (self.path,))
+
+
+def _state_that_runs_code(p: Path) -> None:
+    torch.save({"step": 1, "x": _RunsCode(p / "ran")}, p / "state.pt")
+
+
 DAMAGE = {
     "garbage shard": (lambda p: _garbage(p / "__1_0.distcp"),
                       "is corrupt: the shard file __1_0.distcp cannot be read"),
@@ -172,6 +190,8 @@ DAMAGE = {
     "garbage metadata": (lambda p: _garbage(p / ".metadata"), "is corrupt: .metadata cannot be read"),
     "missing state": (lambda p: (p / "state.pt").unlink(), "is incomplete: state.pt"),
     "garbage state": (lambda p: _garbage(p / "state.pt"), "is corrupt: state.pt cannot be read"),
+    # read with weights_only=True: refused, nothing run (a loaded one would have made the file)
+    "state that runs code": (_state_that_runs_code, "_touch, which is not read back"),
 }
 
 
@@ -208,6 +228,7 @@ def test_a_bad_checkpoint_raises_a_clear_error_on_every_process(dist, tmp_path, 
     path = tmp_path / "ck" / ("step-00000001" if damage in DAMAGE else "step-00000002")
     for m in messages:
         assert m.startswith(f"checkpoint {path}") and expected in m, messages
+    assert not (path / "ran").exists()
 
 
 def test_a_metadata_file_that_asks_for_a_huge_memo_is_refused_before_it_is_unpickled(tmp_path):

@@ -367,8 +367,20 @@ def _corrupt(path: Path, e: CheckpointException) -> BadCheckpoint:
 
 
 def _read_state(path: Path) -> dict:
+    """``state.pt``, read as torch reads untrusted files (``weights_only=True``: tensors,
+    numbers, strings, containers; no other object is built, no code runs)."""
     try:
-        return torch.load(path / "state.pt", weights_only=False)
+        return torch.load(path / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" in str(e).lower() and "unsupported global" in str(e).lower():
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            what = found.group(1) if found else "an object of another type"
+            raise BadCheckpoint(
+                f"checkpoint {path}: state.pt holds {what}, which is not read back (state.pt is loaded with "
+                f"torch.load(weights_only=True)); save plain values in the state (numbers, strings, tensors, "
+                f"lists, dicts), or allow the type with torch.serialization.add_safe_globals([...]) before "
+                f"loading") from None
+        raise BadCheckpoint(f"checkpoint {path} is corrupt: state.pt cannot be read ({_why(e)})") from None
     except Exception as e:
         raise BadCheckpoint(f"checkpoint {path} is corrupt: state.pt cannot be read ({_why(e)})") from None
 
