@@ -21,8 +21,9 @@ fused Adam, one FSDP unit per decoder layer; every process gets the malloc setti
   (what torchspmd's delegation costs over torch_xla itself).
 
 Models: ``seed``, the 107M-parameter seed decoder (vocab 3200, dim 1024, 8 layers, MLP
-4096), and ``llama``, a transformers Llama of the same shape built from a config. The
-scaling run trains torchspmd FSDPv2 on 1, 2 and 4 processes at two model sizes.
+4096), and ``llama``, a transformers Llama of the same shape built from a config (its
+classes imported at the top of this file, as a program imports them: every run, of either
+model, has transformers loaded). The scaling run trains torchspmd FSDPv2 on 1, 2 and 4 processes at two model sizes.
 
 ``--2d`` runs only the 2D comparison (tensor parallel x FSDP, 4 processes on a (2, 2)
 mesh, the ``small`` seed decoder, same global batches): torchspmd FSDPv2 with the MLP and
@@ -58,6 +59,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The Llama model's classes, imported at the top as a program imports them (under
+# `torchspmd run` the launcher then imports them once for all its forked workers).
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -91,9 +97,6 @@ def _build(model: str, size: str):
         from torchspmd.models import DecoderLayer, DecoderModel
 
         return DecoderModel(**cfg), DecoderLayer, cfg["vocab_size"]
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     config = LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["dim"], intermediate_size=cfg["intermediate_size"],
                          num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_heads"],
                          num_key_value_heads=cfg["num_heads"], max_position_embeddings=SEQ, use_cache=False)

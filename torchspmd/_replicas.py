@@ -35,12 +35,18 @@ def digest(t: torch.Tensor) -> int:
     raw = data.resolve_conj().resolve_neg().view(torch.uint8)
     if raw.device.type == "cpu":
         return int.from_bytes(hashlib.sha256(raw.numpy()).digest()[:8], "little") >> 2
+    return _weighted_byte_sum(raw) % (1 << 62)
+
+
+def _weighted_byte_sum(raw: torch.Tensor) -> int:
+    """Sum of byte ``i`` times ``i % _PRIME + 1`` over the 1-D uint8 tensor ``raw``, computed
+    where it lives, in chunks of :data:`_CHUNK`."""
     total = 0
     for start in range(0, raw.numel(), _CHUNK):
         part = raw[start:start + _CHUNK].to(torch.int32)  # products stay below 2**31: 255 * _PRIME
         weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=part.device) % _PRIME + 1
         total += int((part * weights.to(torch.int32)).sum(dtype=torch.int64))
-    return total % (1 << 62)
+    return total
 
 
 def _group_root(group) -> int:
