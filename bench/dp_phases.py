@@ -1,0 +1,134 @@
+"""Where the data-parallel forms' steps differ: each phase of a step, DDP against torchspmd.
+
+    python bench/dp_phases.py [--repeats 3] [--nproc 2] [--out bench/results]
+
+The model and batches of ``bench/data_parallel.py`` (seed decoder, dim 256, 4 layers,
+global batch 8 x 64 tokens, Adam), on ``--nproc`` processes: DDP (each process reads its own
+rows), ``ts.replicate`` and Pattern 1 as written (global batches from ``MpDeviceLoader``,
+the global loss). Rank 0 times each phase of each step with ``time.perf_counter``: the next
+batch, forward, loss, backward, optimizer step + ``zero_grad``, ``loss.item()``; the median
+over the steps after 5 warm-up steps. The strategies run interleaved, ``--repeats`` rounds;
+writes ``dp_phases.md`` / ``dp_phases.json`` (median and min-max of the rounds, in ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PHASES = ("batch", "forward", "loss", "backward", "optimizer", "item")
+STRATEGIES = ("ddp", "replicate", "pattern1")
+
+
+def worker(strategy: str, result: str, steps: int = 40, warmup: int = 5) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import data_parallel as dp
+    from torchspmd.models import DecoderModel
+
+    torch.manual_seed(0)
+    model = DecoderModel(**dp.MODEL)
+    data = dp._batches(steps)
+    vocab = dp.MODEL["vocab_size"]
+    if strategy == "ddp":
+        from _common import per_process_loader
+
+        _, _, loader = per_process_loader(data, dp.BATCH)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        import torchspmd as ts
+
+        ts.use_spmd()
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        if strategy == "replicate":
+            model = ts.replicate(model, mesh)
+        loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=dp.BATCH), ts.device(),
+                                   input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    batches = iter(loader)
+    for step in range(steps):
+        t = [time.perf_counter()]
+        x, y = next(batches)
+        t.append(time.perf_counter())
+        out = model(x)
+        t.append(time.perf_counter())
+        loss = F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
+        t.append(time.perf_counter())
+        loss.backward()
+        t.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad()
+        t.append(time.perf_counter())
+        loss.item()
+        t.append(time.perf_counter())
+        if step >= warmup:
+            for i, p in enumerate(PHASES):
+                times[p].append((t[i + 1] - t[i]) * 1e3)
+    if dist.get_rank() == 0:
+        Path(result).write_text(json.dumps({p: statistics.median(v) for p, v in times.items()}))
+
+
+def _run(strategy: str, nproc: int) -> dict:
+    result = HERE / f".dp_phases_{os.getpid()}.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), __file__, "--worker",
+                    strategy, "--result", str(result)], env=env, check=True, capture_output=True, text=True)
+    row = json.loads(result.read_text())
+    result.unlink()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--worker", choices=STRATEGIES)
+    p.add_argument("--result")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args.worker, args.result)
+    import torch
+
+    runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    for r in range(args.repeats):
+        order = STRATEGIES[r % len(STRATEGIES):] + STRATEGIES[:r % len(STRATEGIES)]  # rotated each round
+        for s in order:
+            runs[s].append(_run(s, args.nproc))
+            print(f"round {r + 1}/{args.repeats}: {s} {json.dumps({k: round(v, 1) for k, v in runs[s][-1].items()})}",
+                  flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dp_phases.json").write_text(json.dumps(runs, indent=1))
+
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+    lines = ["# The phases of a data-parallel step", "",
+             f"`python bench/dp_phases.py --repeats {args.repeats} --nproc {args.nproc}` on this machine "
+             f"({os.cpu_count()} cores, torch {torch.__version__}): rank 0's milliseconds per phase, median over "
+             f"35 steps; median (min-max) of {args.repeats} interleaved runs.", "",
+             "| strategy | " + " | ".join(PHASES) + " | sum |", "|---|" + "---|" * (len(PHASES) + 1)]
+    for s in STRATEGIES:
+        sums = [sum(run.values()) for run in runs[s]]
+        lines.append(f"| {s} | " + " | ".join(cell([run[p] for run in runs[s]]) for p in PHASES) + f" | {cell(sums)} |")
+    (out / "dp_phases.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
