@@ -1,5 +1,6 @@
 """`python script.py` relaunching itself per device, `torchspmd run`, and the examples."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -182,15 +183,19 @@ PROGRAM = textwrap.dedent(
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
     block = libc.malloc(24 << 20)  # under the launcher's malloc settings: from the heap, not a fresh mapping
-    print(f"rank {rank} name={__name__} argv={'|'.join(sys.argv)} path0={sys.path[0]} preloaded={preloaded} "
-          f"threads={torch.get_num_threads()} heap={block < libc.sbrk(0)} private_mb={private_mb():.0f}", flush=True)
+    # one write per line: under TORCHSPMD_START_METHOD=subprocess (torchrun's `python -u`) print()'s
+    # text and newline are two writes, and two ranks' lines can mix
+    sys.stdout.write(f"rank {rank} name={__name__} argv={'|'.join(sys.argv)} path0={sys.path[0]} "
+                     f"preloaded={preloaded} threads={torch.get_num_threads()} heap={block < libc.sbrk(0)} "
+                     f"private_mb={private_mb():.0f}\\n")
+    sys.stdout.flush()
     import threading, time
     done = []
     def late():  # a non-daemon thread: the program ends when it has, before atexit
         time.sleep(0.2)
         done.append(1)
     threading.Thread(target=late).start()
-    atexit.register(lambda: print(f"rank {rank} atexit thread_done={bool(done)}", flush=True))
+    atexit.register(lambda: (sys.stdout.write(f"rank {rank} atexit thread_done={bool(done)}\\n"), sys.stdout.flush()))
     sys.exit(int(sys.argv[-1]))
     """
 )
@@ -232,6 +237,30 @@ def test_workers_run_the_program_as_python_would(tmp_path, start, as_module):
                        env=_env(TORCHSPMD_START_METHOD=start, PYTHONPATH=ROOT))
     assert r.returncode == 3, r.stderr
     assert "torchspmd: rank 0 exited with code 3" in r.stderr or "torchspmd: rank 1 exited with code 3" in r.stderr
+
+
+def test_forked_workers_print_whole_lines(tmp_path):
+    # Ranks printing at the same moment, under PYTHONUNBUFFERED (as `python -u`): each line of
+    # print() arrives whole, not mixed with another rank's (print writes its text and its end
+    # separately; unbuffered, that is two writes). Without the workers' line buffering, about a
+    # tenth of the lines were mixed here.
+    p = tmp_path / "prog.py"
+    p.write_text(textwrap.dedent(
+        """
+        import torch.distributed as dist, torchspmd as ts
+        ts.use_spmd()
+        rank = ts.global_ordinal()
+        dist.barrier()
+        for i in range(3000):
+            print(f"rank {rank} line {i} end")
+        """))
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(p)],
+             TORCHSPMD_START_METHOD="fork", TORCHSPMD_ALL_RANKS_OUTPUT=1, PYTHONUNBUFFERED=1)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.startswith("rank ") or " line " in l]
+    mixed = [l for l in lines if not re.fullmatch(r"rank [01] line \d+ end", l)]
+    assert not mixed, mixed[:5]
+    assert sorted(lines) == sorted(f"rank {r} line {i} end" for r in (0, 1) for i in range(3000))
 
 
 def test_forked_workers_share_the_launchers_runtime(tmp_path):

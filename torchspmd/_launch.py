@@ -430,7 +430,8 @@ def _run_program(program: str, *args: str) -> None:
     """A forked worker's entry point (``TORCHSPMD_START_METHOD=fork``): run the program as
     ``python -u program args...`` (``program`` ``"-m"``: ``python -u -m module args...``)
     would: as ``__main__``, with that ``sys.argv`` and ``sys.path[0]``, the signal handlers
-    and malloc settings of a new process, unbuffered output, and at the end its non-daemon
+    and malloc settings of a new process, line-buffered output (one write per line, so the
+    lines of ranks that print at once do not mix, as ``python -u``'s can), and at the end its non-daemon
     threads waited for, then its ``atexit`` handlers run. An uncaught exception goes to ``sys.excepthook`` (where ``use_spmd()`` records
     it for the summary and torch prints it with its ``[rankN]:`` prefix) and exits with
     status 1, as in a new process."""
@@ -447,8 +448,12 @@ def _run_program(program: str, *args: str) -> None:
 
         torch.set_num_threads(int(threads))
     for stream in (sys.stdout, sys.stderr):
+        # Not write-through: print() writes its text and its end separately, and unbuffered
+        # (python -u, PYTHONUNBUFFERED) each is a write of its own, so the output of ranks
+        # printing at the same time interleaves mid-line. Held until the newline (or "\r", or a
+        # flush), a line is one write.
         try:
-            stream.reconfigure(line_buffering=True, write_through=True)
+            stream.reconfigure(line_buffering=True, write_through=False)
         except (AttributeError, ValueError):
             pass
     code, interrupted = 0, False
