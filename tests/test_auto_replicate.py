@@ -190,3 +190,75 @@ def test_the_environment_switch_is_read_when_the_path_is_asked(dist):
     results = dist(2).run(_switched_off_by_the_environment)
     _check(results, ref)
     assert all(r[3] == [] for r in results)
+
+
+def _optimizer_steps(spmd: bool):
+    """An Adam step on plain parameters, a step with a closure, a step that raises; with
+    spmd, count the global-view mode's calls during each and report whether it is still
+    the innermost mode after the failed step."""
+    from torchspmd import _global_view as gv
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = _data("net", 8)
+    if spmd:
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        spec = ts.ShardingSpec(mesh, ("data", None))
+        x, y = next(iter(ts.MpDeviceLoader([(x, y)], ts.device(), input_sharding=spec)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls = []
+    original = gv._ReplicateUnannotated.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return original(self, func, types, args, kwargs)
+
+    gv._ReplicateUnannotated.__torch_function__ = counting
+    try:
+        F.cross_entropy(model(x), y).backward()
+        calls.clear()
+        opt.step()
+        plain = [str(f) for f in calls if "profiler" not in str(f)]  # (torch's hook records the step)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        calls.clear()
+        loss = opt.step(closure).item()
+        with_closure = len(calls)
+
+        class Failing(torch.optim.SGD):
+            def step(self, closure=None):
+                raise RuntimeError("step failed 0.41")
+
+        failing = Failing(model.parameters(), lr=0.1)
+        try:
+            failing.step()
+        except RuntimeError:
+            pass
+        innermost = torch.overrides._get_current_function_mode()
+        mode_kept = innermost is gv._MODE
+        loss_after = F.cross_entropy(model(x), y).item()
+    finally:
+        gv._ReplicateUnannotated.__torch_function__ = original
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return plain, with_closure, mode_kept, [loss, loss_after], state
+
+
+def test_optimizer_step_on_plain_parameters_leaves_the_global_view_aside(dist):
+    # A data-parallel program's optimizer sees only plain tensors: its step runs without the
+    # global view's per-operation Python call (as under DDP). A step with a closure (the
+    # program's forward on global batches) keeps it, and a step that raises leaves it in place.
+    _, _, _, ref_losses, ref_state = _optimizer_steps(spmd=False)
+    results = dist(2).run(_optimizer_steps, True)
+    for plain, with_closure, mode_kept, losses, state in results:
+        assert plain == [], plain
+        assert with_closure > 0, with_closure
+        assert mode_kept
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL)

@@ -21,6 +21,7 @@ Two things, installed once by ``use_spmd()``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, Iterator
 
@@ -185,6 +186,42 @@ def local_region() -> Iterator[None]:
         resume(token)
 
 
+def _all_plain(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
+    """Whether an optimizer step can meet no DTensor: no closure (a closure runs the
+    program's forward), and plain parameters, gradients and state."""
+    if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
+        return False
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor) or isinstance(p.grad, DTensor):
+                return False
+    return not any(isinstance(v, DTensor) for state in opt.state.values() for v in state.values())
+
+
+def _plain_steps_step_aside(profile_hook_step: Callable) -> Callable:
+    """``Optimizer.profile_hook_step`` (what wraps each optimizer class's ``step`` the first
+    time one is built) with the step itself run without the lifting mode when it can meet no
+    DTensor: a data-parallel program's optimizer (plain replicated parameters) then pays no
+    Python call per operation, as under DDP. The step hooks still run under the mode."""
+
+    def hook_step(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def step(*args, **kwargs):
+            token = suspend()  # (reading p.grad under the mode would be a call of its own)
+            if token is not None and not _all_plain(args[0], args, kwargs):
+                resume(token)
+                token = None
+            try:
+                return func(*args, **kwargs)
+            finally:
+                resume(token)
+
+        return profile_hook_step(step)
+
+    hook_step._torchspmd = True  # type: ignore[attr-defined]
+    return hook_step
+
+
 def install() -> None:
     """Install both mechanisms (idempotent)."""
     global _MODE
@@ -192,6 +229,20 @@ def install() -> None:
         _MODE = _ReplicateUnannotated()
         _MODE.__enter__()
     DTensor._op_dispatcher._custom_op_handlers.update(_HANDLERS)
+    hook = torch.optim.Optimizer.profile_hook_step
+    if not getattr(hook, "_torchspmd", False):
+        hook = _plain_steps_step_aside(hook)
+        torch.optim.Optimizer.profile_hook_step = staticmethod(hook)
+        # optimizer classes already built once (before use_spmd(), or in the process this one
+        # was forked from) had their step wrapped by torch's hook: wrap it again by this one
+        pending = list(torch.optim.Optimizer.__subclasses__())
+        while pending:
+            cls = pending.pop()
+            pending.extend(cls.__subclasses__())
+            step = cls.__dict__.get("step")
+            if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+                cls.step = hook(step.__wrapped__)
+                cls.step.hooked = True
 
 
 # ---------------------------------------------------------------------------
