@@ -123,17 +123,17 @@ def run_measured(cmd: list[str], env: dict, timeout: float | None = None,
     return done, mem.peak_gb
 
 
-def run_worker(script: str, args: list[str], nproc: int, result: Path) -> dict:
+def run_worker(script: str, args: list[str], nproc: int, result: Path, env: dict | None = None) -> dict:
     """Run ``script --worker ...`` in ``nproc`` processes (``torchspmd run``; one plain process
     for 1) with the cores split between them; return the JSON rank 0 wrote to ``result``,
     with ``peak_pss_gb``, the peak physical memory of all the run's processes together
     (``PeakMemory``; the launcher included). Every run gets the malloc settings
     ``torchspmd run`` gives its workers (one process too, so that every strategy runs on
-    the same allocator)."""
+    the same allocator). ``env``: variables to add for this run."""
     from torchspmd._launch import _allocator_env
 
     cores = os.cpu_count() or 1
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)), **(env or {}))
     env.update(_allocator_env(env))
     cmd = [script, *args, "--result", str(result)]
     if nproc == 1:

@@ -14,6 +14,8 @@ fused Adam, one FSDP unit per decoder layer; every process gets the malloc setti
 - ``fsdpv2-native``: torchspmd FSDPv2 with FSDP2's own collectives (what torchspmd's
   layer costs over the engine underneath);
 - ``fsdpv2-compile``: torchspmd FSDPv2 with ``compile=True``;
+- ``fsdpv2-unbound`` (only when named in ``--strategies``): torchspmd FSDPv2 with its workers
+  free to run on any core (``TORCHSPMD_BIND_CORES=0``; by default each runs on its own share);
 - ``xla``: torch_xla's FSDPv2 in one process driving n CPU devices, when a virtual
   environment with torch_xla is found (``$TORCHSPMD_XLA_PYTHON`` or
   ``~/.cache/torchspmd/xla-venv``);
@@ -77,6 +79,7 @@ STRATEGIES = ["single", "ddp", "fsdp2", "fsdpv2", "fsdpv2-native", "fsdpv2-compi
 XLA = ("xla", "xla-torchspmd")
 NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2",
          "fsdpv2-native": "torchspmd FSDPv2, FSDP2's collectives", "fsdpv2-compile": "torchspmd FSDPv2, compile",
+         "fsdpv2-unbound": "torchspmd FSDPv2, workers not bound to cores",
          "xla": "torch_xla FSDPv2 (one process)", "xla-torchspmd": "torchspmd FSDPv2 on the XLA backend (one process)"}
 TWO_D = ["2d-fsdpv2", "2d-tp-fsdp2"]
 NAMES_2D = {"2d-fsdpv2": "torchspmd FSDPv2, weights annotated over 'model'",
@@ -156,7 +159,8 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         n = ts.global_runtime_device_count()
         mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
         policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-        options = {"fsdpv2": {}, "fsdpv2-native": {"collectives": "native"}, "fsdpv2-compile": {"compile": True}}
+        options = {"fsdpv2": {}, "fsdpv2-native": {"collectives": "native"}, "fsdpv2-compile": {"compile": True},
+                   "fsdpv2-unbound": {}}
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, **options[strategy])
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
@@ -475,6 +479,11 @@ def _table(rows: list[dict], title: str) -> list[str]:
               "shared-memory collective buffers, count once; `torchspmd run`'s launcher included), divided by the "
               "devices; median of runs (min-max). torch_xla's one process is measured the same way.", ""]
     for r in rows:
+        if r.get("vs_unbound_runs"):
+            x = r["vs_unbound_runs"]
+            lines.append(f"- {NAMES[r['strategy']]} (workers bound to cores, the default) / not bound at "
+                         f"{r['nproc']} processes: median {statistics.median(x):.2f}x, min-max "
+                         f"{_spread(x, '.2f') or f'{x[0]:.2f}'} over the rounds.")
         if r.get("vs_xla_runs"):
             x = r["vs_xla_runs"]
             lines.append(f"- {NAMES[r['strategy']]} / torch_xla FSDPv2 at {r['nproc']} devices: median "
@@ -576,8 +585,9 @@ def main() -> None:
                 row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy)
             else:
                 try:
+                    env = {"TORCHSPMD_BIND_CORES": "0"} if strategy == "fsdpv2-unbound" else {}
                     row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
-                                     nproc, tmp)
+                                     nproc, tmp, env=env)
                 except subprocess.CalledProcessError as e:  # said in the results, not hidden, not fatal
                     print(f"round {r + 1}/{a.repeats}: {model} {strategy} x{nproc} failed (exit {e.returncode})",
                           flush=True)
@@ -602,7 +612,8 @@ def main() -> None:
                "tokens_per_s_runs": tps, "peak_rss_gb": statistics.median(x["peak_rss_gb"] for x in done),
                "peak_pss_gb_runs": [x["peak_pss_gb"] for x in done if "peak_pss_gb" in x],
                "state_gb": done[0]["state_gb"], "vs_fsdp2_runs": per_round("fsdp2") if nproc > 1 else [],
-               "vs_xla_runs": per_round("xla") if strategy.startswith("fsdpv2") and nproc > 1 else []}
+               "vs_xla_runs": per_round("xla") if strategy.startswith("fsdpv2") and nproc > 1 else [],
+               "vs_unbound_runs": per_round("fsdpv2-unbound") if strategy == "fsdpv2" else []}
         row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_runs"]) if row["vs_fsdp2_runs"] else None
         if row["peak_pss_gb_runs"]:
             row["peak_pss_gb"] = statistics.median(row["peak_pss_gb_runs"])

@@ -1,5 +1,6 @@
 """`python script.py` relaunching itself per device, `torchspmd run`, and the examples."""
 
+import os
 import re
 import subprocess
 import sys
@@ -277,6 +278,72 @@ def test_forked_workers_share_the_launchers_runtime(tmp_path):
         private[start] = [float(w["private_mb"]) for w in _workers(r).values()]
     assert len(private["fork"]) == len(private["subprocess"]) == 2, private
     assert max(private["fork"]) < 0.5 * min(private["subprocess"]), private
+
+
+AFFINITY = textwrap.dedent(
+    """
+    import os, sys, torchspmd as ts
+    ts.use_spmd()
+    sys.stdout.write(f"rank {ts.global_ordinal()} cores {' '.join(map(str, sorted(os.sched_getaffinity(0))))}\\n")
+    sys.stdout.flush()
+    """
+)
+
+
+def _cores_of_ranks(tmp_path, nproc, **env):
+    p = tmp_path / "affinity.py"
+    p.write_text(AFFINITY)
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), str(p)],
+             TORCHSPMD_ALL_RANKS_OUTPUT=1, **env)
+    assert r.returncode == 0, r.stderr
+    found = {int(l.split()[1]): [int(c) for c in l.split()[3:]] for l in r.stdout.splitlines() if " cores " in l}
+    assert sorted(found) == list(range(nproc)), r.stdout
+    return [found[rank] for rank in range(nproc)]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_forked_workers_run_on_their_share_of_the_cores(tmp_path, nproc):
+    # Each worker runs on its own share of the launcher's cores (consecutive, in rank order;
+    # with more workers than cores, an equal number of workers per core), not on all of them.
+    launcher = sorted(os.sched_getaffinity(0))
+    shares = _cores_of_ranks(tmp_path, nproc)
+    if nproc <= len(launcher):
+        assert [c for share in shares for c in share] == launcher, shares  # disjoint, in order, all used
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1, shares
+    else:
+        assert all(len(share) == 1 for share in shares), shares
+        used = [share[0] for share in shares]
+        assert used == sorted(used) and set(used) <= set(launcher), shares
+        counts = [used.count(c) for c in set(used)]
+        assert max(counts) - min(counts) <= 1 and len(set(used)) == len(launcher), shares
+
+
+@pytest.mark.parametrize("env", [{"TORCHSPMD_BIND_CORES": "0"}, {"KMP_AFFINITY": "disabled"},
+                                 {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)) + 1)}],
+                         ids=["switched-off", "user-placement", "more-threads-than-its-share"])
+def test_workers_are_not_bound_when_the_user_chose(tmp_path, env):
+    launcher = sorted(os.sched_getaffinity(0))
+    assert _cores_of_ranks(tmp_path, 2, **env) == [launcher, launcher]
+
+
+def test_bad_core_binding_switch_is_a_clear_error(script):
+    r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(script)], TORCHSPMD_BIND_CORES="yes")
+    assert r.returncode != 0
+    assert "TORCHSPMD_BIND_CORES='yes': expected '1'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cores, world, expected", [
+    ([0, 1, 2, 3, 4, 5, 6, 7], 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ([0, 1, 2, 3, 4, 5, 6, 7], 3, [[0, 1], [2, 3, 4], [5, 6, 7]]),
+    ([7, 2, 5], 3, [[2], [5], [7]]),
+    ([0, 1], 4, [[0], [0], [1], [1]]),
+    ([0, 1], 3, [[0], [0], [1]]),
+    ([3], 2, [[3], [3]]),
+])
+def test_worker_cores(cores, world, expected):
+    from torchspmd._launch import worker_cores
+
+    assert [worker_cores(cores, r, world) for r in range(world)] == expected
 
 
 def test_bad_start_method_is_a_clear_error(script):

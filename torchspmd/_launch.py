@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
@@ -104,6 +105,49 @@ def _apply_malloc_settings(settings: dict[str, str]) -> None:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     for name, value in settings.items():
         mallopt(_MALLOPT[name], min(int(value), 2**31 - 1))
+
+
+#: ``TORCHSPMD_BIND_CORES=0`` leaves the forked workers free to run on any of the launcher's cores.
+BIND_SWITCH = "TORCHSPMD_BIND_CORES"
+#: OpenMP's own placement variables: a user who set one chose where threads run.
+_PLACEMENT_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def _bind_switch(environ) -> bool:
+    value = environ.get(BIND_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise SpmdError(f"{BIND_SWITCH}={value!r}: expected '1' (the default: each worker runs on its own "
+                        f"share of the launcher's cores) or '0' (workers may run on any of them)")
+    return value == "1"
+
+
+def worker_cores(cores: Sequence[int], local_rank: int, local_world: int) -> list[int]:
+    """The cores local worker ``local_rank`` of ``local_world`` runs on: an equal share of
+    ``cores`` (the launcher's), consecutive ones together; with more workers than cores,
+    each core is shared by an equal number of workers (ranks 0 and 1 of 4 on the first of 2)."""
+    cores = sorted(cores)
+    n = len(cores)
+    if local_world <= n:
+        return cores[local_rank * n // local_world:(local_rank + 1) * n // local_world]
+    return [cores[local_rank * n // local_world]]
+
+
+def _bind_to_cores() -> None:
+    """In a forked worker: run on :func:`worker_cores` (threads started later inherit it),
+    unless ``TORCHSPMD_BIND_CORES=0``, OpenMP's placement variables are set, or
+    ``OMP_NUM_THREADS`` asks for more threads than those cores."""
+    if not hasattr(os, "sched_setaffinity") or not _bind_switch(os.environ) \
+            or any(k in os.environ for k in _PLACEMENT_ENV):
+        return
+    try:
+        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return
+    mine = worker_cores(os.sched_getaffinity(0), local_rank, local_world)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > len(mine):
+        return
+    os.sched_setaffinity(0, mine)
 
 
 def _threads_per_process(nproc: int) -> int:
@@ -442,6 +486,7 @@ def _run_program(program: str, *args: str) -> None:
         signal.signal(sig, signal.SIG_DFL)  # the agent's handlers (its SignalException) are not the program's
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _apply_malloc_settings({k: v for k, v in os.environ.items() if k in _MALLOPT and MALLOC_ENV.get(k) == v})
+    _bind_to_cores()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read the launcher's environment when torch loaded
         import torch
@@ -565,6 +610,7 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
         n = int(per_node) if str(per_node).isdigit() else 1
         os.environ["OMP_NUM_THREADS"] = str(_threads_per_process(n))
     os.environ.update(_allocator_env(os.environ))
+    _bind_switch(os.environ)  # a wrong value is an error here, not in every worker
     fork = _start_method(parsed) == "fork"
     if fork:
         entry = torchrun.run_script_path
