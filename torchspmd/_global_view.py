@@ -207,6 +207,8 @@ def _plain_steps_step_aside(profile_hook_step: Callable) -> Callable:
     def hook_step(func: Callable) -> Callable:
         @functools.wraps(func)
         def step(*args, **kwargs):
+            if torch.compiler.is_compiling():  # a compiled step: left to torch.compile as it is
+                return func(*args, **kwargs)
             token = suspend()  # (reading p.grad under the mode would be a call of its own)
             if token is not None and not _all_plain(args[0], args, kwargs):
                 resume(token)
