@@ -1,6 +1,6 @@
 """Where the data-parallel forms' steps differ: each phase of a step, DDP against torchspmd.
 
-    python bench/dp_phases.py [--repeats 3] [--nproc 2] [--out bench/results]
+    python bench/dp_phases.py [--repeats 3] [--nproc 2 4] [--out bench/results]
 
 The model and batches of ``bench/data_parallel.py`` (seed decoder, dim 256, 4 layers,
 global batch 8 x 64 tokens, Adam), on ``--nproc`` processes: DDP (each process reads its own
@@ -95,7 +95,7 @@ def _run(strategy: str, nproc: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--worker", choices=STRATEGIES)
     p.add_argument("--result")
@@ -104,28 +104,31 @@ def main() -> None:
         return worker(args.worker, args.result)
     import torch
 
-    runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    configs = [(s, n) for n in args.nproc for s in STRATEGIES]
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
     for r in range(args.repeats):
-        order = STRATEGIES[r % len(STRATEGIES):] + STRATEGIES[:r % len(STRATEGIES)]  # rotated each round
-        for s in order:
-            runs[s].append(_run(s, args.nproc))
-            print(f"round {r + 1}/{args.repeats}: {s} {json.dumps({k: round(v, 1) for k, v in runs[s][-1].items()})}",
-                  flush=True)
+        k = r % len(configs)
+        for s, n in configs[k:] + configs[:k]:  # a rotating order: each round starts elsewhere
+            runs[(s, n)].append(_run(s, n))
+            print(f"round {r + 1}/{args.repeats}: {s} x{n} "
+                  f"{json.dumps({k: round(v, 1) for k, v in runs[(s, n)][-1].items()})}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dp_phases.json").write_text(json.dumps(runs, indent=1))
+    (out / "dp_phases.json").write_text(json.dumps(
+        [{"strategy": s, "nproc": n, "runs": rs} for (s, n), rs in runs.items()], indent=1))
 
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
+    nprocs = " ".join(str(n) for n in args.nproc)
     lines = ["# The phases of a data-parallel step", "",
-             f"`python bench/dp_phases.py --repeats {args.repeats} --nproc {args.nproc}` on this machine "
+             f"`python bench/dp_phases.py --repeats {args.repeats} --nproc {nprocs}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): rank 0's milliseconds per phase, median over "
              f"35 steps; median (min-max) of {args.repeats} interleaved runs.", "",
-             "| strategy | " + " | ".join(PHASES) + " | sum |", "|---|" + "---|" * (len(PHASES) + 1)]
-    for s in STRATEGIES:
-        sums = [sum(run.values()) for run in runs[s]]
-        lines.append(f"| {s} | " + " | ".join(cell([run[p] for run in runs[s]]) for p in PHASES) + f" | {cell(sums)} |")
+             "| strategy | processes | " + " | ".join(PHASES) + " | sum |", "|---|---|" + "---|" * (len(PHASES) + 1)]
+    for (s, n), rs in runs.items():
+        sums = [sum(run.values()) for run in rs]
+        lines.append(f"| {s} | {n} | " + " | ".join(cell([run[p] for run in rs]) for p in PHASES) + f" | {cell(sums)} |")
     (out / "dp_phases.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

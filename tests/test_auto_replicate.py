@@ -262,3 +262,85 @@ def test_optimizer_step_on_plain_parameters_leaves_the_global_view_aside(dist):
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL)
+
+
+def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100, change_in_place: bool = False,
+                     item_first: bool = False):
+    """Pattern 1 on a decoder whose targets hold ``ignore_index`` unevenly (most of them in
+    the first rows of each batch, so on the first process). Returns the losses, the
+    gradients and the parameters after each step, and with ``spmd`` the number of blocking
+    all-reduces made by each step's loss and ``loss.item()``."""
+    import torch.distributed as tdist
+
+    torch.manual_seed(0)
+    model = _decoder()
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+    x_all, y_all = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    first_rows = (torch.arange(rows) % batch < 3)[:, None]
+    y_all[(torch.rand(y_all.shape, generator=g) < 0.5) & first_rows] = ignore_index
+    y_all[(torch.rand(y_all.shape, generator=g) < 0.05) & ~first_rows] = ignore_index
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_all, y_all), batch_size=batch)
+    if spmd:
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        loader = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    blocking = [0]
+    original = tdist.all_reduce
+
+    def counting(*args, **kwargs):
+        if not kwargs.get("async_op", False):
+            blocking[0] += 1
+        return original(*args, **kwargs)
+
+    losses, grads, blocked = [], [], []
+    for i, (x, y) in enumerate(loader):
+        if change_in_place:  # after the loader counted the targets
+            y.masked_fill_(y == 5, ignore_index)
+        logits = model(x).reshape(-1, VOCAB)
+        tdist.all_reduce, blocking[0] = counting, 0
+        try:
+            loss = F.cross_entropy(logits, y.reshape(-1), ignore_index=ignore_index)
+            if item_first:
+                losses.append(loss.item())
+            tdist.all_reduce = original
+            loss.backward()
+            tdist.all_reduce = counting
+            if not item_first:
+                losses.append(loss.item())
+        finally:
+            tdist.all_reduce = original
+        blocked.append(blocking[0])
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, grads, state, blocked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ignored_targets_need_no_blocking_collective(dist, world):
+    # The count a mean cross-entropy divides by comes from the loader (reduced while the
+    # forward runs) and loss.item() from a reduction started at the backward pass: the loss
+    # and item() block on no collective, and everything still equals one device's run
+    # (batches of 8 rows, then 7: uneven).
+    rows = 8 * 3 + 7
+    ref = _ignored_targets(False, rows, 8)
+    results = dist(world).run(_ignored_targets, True, rows, 8)
+    _check([(*r[:3], None) for r in results], ref)
+    assert all(r[3] == [0, 0, 0, 0] for r in results), [r[3] for r in results]
+
+
+@pytest.mark.parametrize("case", [
+    dict(change_in_place=True),  # targets changed after the loader counted them
+    dict(ignore_index=3),  # another ignore_index than the one counted
+    dict(item_first=True),  # item() before backward: nothing reduced yet
+])
+def test_ignored_targets_exact_where_nothing_was_counted_ahead(dist, case):
+    rows = 8 * 2 + 5
+    ref = _ignored_targets(False, rows, 8, **case)
+    results = dist(2).run(_ignored_targets, True, rows, 8, **case)
+    _check([(*r[:3], None) for r in results], ref)
+    # the loss (or item()) reduced at once what was not known ahead, on every process alike
+    assert all(r[3] == results[0][3] and all(b > 0 for b in r[3][:2]) for r in results), [r[3] for r in results]

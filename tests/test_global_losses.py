@@ -59,7 +59,24 @@ def _sharded_loss(name, rows):
     td = ts.mark_sharding(t, mesh, ("data",) + (None,) * (t.dim() - 1))
     loss = fn(xd, td)
     loss.backward()
-    return loss.item(), xd.grad.full_tensor()
+    blocking, original = [], torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        blocking.append(not kwargs.get("async_op", False))
+        return original(*args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        item = loss.item()
+    finally:
+        torch.distributed.all_reduce = original
+    return item, xd.grad.full_tensor(), sum(blocking)
+
+
+# Losses that are one loss operation's output: its sum over the devices was started by the
+# backward pass, so item() waits on no collective of its own.
+REDUCED_IN_BACKWARD = {"mse", "mse_sum", "smooth_l1", "huber", "bce", "cross_entropy_ignore",
+                       "cross_entropy_sum", "nll", "module_ce_view"}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -70,9 +87,11 @@ def test_loss_and_gradient_equal_one_device(dist, name, world, rows):
     x = x.clone().requires_grad_(True)
     ref = fn(x, t)
     ref.backward()
-    for item, grad in dist(world).run(_sharded_loss, name, rows):
+    for item, grad, blocking in dist(world).run(_sharded_loss, name, rows):
         assert item == pytest.approx(ref.item(), rel=RTOL, abs=ATOL), name
         torch.testing.assert_close(grad, x.grad, rtol=RTOL, atol=ATOL)
+        if name in REDUCED_IN_BACKWARD:
+            assert blocking == 0, blocking
 
 
 def test_measured_dtensor_trap_is_fixed(dist):
@@ -81,4 +100,4 @@ def test_measured_dtensor_trap_is_fixed(dist):
     x, t = _inputs("class", 6)
     ref = F.cross_entropy(x, t).item()
     got = dist(2).run(_sharded_loss, "cross_entropy_ignore", 6)
-    assert all(abs(item - ref) < 1e-5 for item, _ in got)
+    assert all(abs(item - ref) < 1e-5 for item, _, _ in got)

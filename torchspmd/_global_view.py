@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.overrides import TorchFunctionMode
 
-from torchspmd import _replicas, _rng
+from torchspmd import _early, _replicas, _rng
 from torchspmd._chunks import contiguous_stride as _contiguous_stride
 
 aten = torch.ops.aten
@@ -328,7 +328,9 @@ def _pointwise_loss_forward(n_inputs: int) -> Callable:
         out = op(**call)
         if reduction == _MEAN:
             out = out / x.numel()
-        return _wrap(out, x.device_mesh, _sum_placements(x), ())
+        loss = _wrap(out, x.device_mesh, _sum_placements(x), ())
+        _early.pend(loss, values["self"])
+        return loss
 
     return handler
 
@@ -341,6 +343,7 @@ def _pointwise_loss_backward(n_inputs: int) -> Callable:
         schema_names = [a.name for a in op._schema.arguments]
         values = dict(zip(schema_names, args))
         values.update(kwargs)
+        _early.start(values["self"])
         x = _settle(values["self"])
         reduction = values.get("reduction", _MEAN)
         call = {n: _local(values[n]) for n in schema_names if n in values}
@@ -396,8 +399,11 @@ def _nll_forward(op, args, kwargs):
     names = [a.name for a in op._schema.arguments]
     values = dict(zip(names, args))
     values.update(kwargs)
-    x, target, weight = _nll_prepare(values)
     reduction, ignore_index = values["reduction"], values["ignore_index"]
+    # The global count of ignored targets, when the loader has it reduced already.
+    ignored = _early.ignored(values["target"]) if (
+        reduction == _MEAN and values.get("weight") is None and ignore_index == _early.IGNORE_INDEX) else None
+    x, target, weight = _nll_prepare(values)
     out, total_weight = op(x.to_local(), target.to_local(), weight, _SUM if reduction == _MEAN else reduction, ignore_index)
     mesh = x.device_mesh
     if reduction == _NONE:
@@ -405,13 +411,18 @@ def _nll_forward(op, args, kwargs):
             _wrap(out, mesh, target.placements, tuple(target.shape)),
             _wrap(total_weight, mesh, [Replicate()] * mesh.ndim, ()),
         )
-    global_weight = _group_sum(total_weight, x)
-    if reduction == _MEAN:
+    if reduction == _SUM:  # the weight is not needed: it stays a pending sum
+        weight_out = _wrap(total_weight, mesh, _sum_placements(x), ())
+    else:
+        if ignored is not None:
+            global_weight = total_weight.new_tensor(float(target.numel() - ignored))
+        else:
+            global_weight = _group_sum(total_weight, x)
         out = out / global_weight
-    return (
-        _wrap(out, mesh, _sum_placements(x), ()),
-        _wrap(global_weight, mesh, [Replicate()] * mesh.ndim, ()),
-    )
+        weight_out = _wrap(global_weight, mesh, [Replicate()] * mesh.ndim, ())
+    loss = _wrap(out, mesh, _sum_placements(x), ())
+    _early.pend(loss, weight_out)
+    return loss, weight_out
 
 
 def _nll_backward(op, args, kwargs):
@@ -422,7 +433,9 @@ def _nll_backward(op, args, kwargs):
     reduction, ignore_index = values["reduction"], values["ignore_index"]
     grad = values["grad_output"]
     total_weight = values["total_weight"]
-    total_weight = _local(_settle(total_weight)) if isinstance(total_weight, DTensor) else total_weight
+    _early.start(total_weight)
+    if isinstance(total_weight, DTensor):  # (read by a mean only, where it is replicated)
+        total_weight = _local(_settle(total_weight) if reduction == _MEAN else total_weight)
     if reduction == _NONE:
         g = _local(_align(grad, target))
     else:
@@ -477,6 +490,9 @@ def _item(op, args, kwargs):
     (x,) = args
     mesh = x.device_mesh
     if all(p.is_replicate() or (p.is_partial() and p.reduce_op == "sum") for p in x.placements):
+        value = _early.reduced(x)  # reduced already, in the backward pass
+        if value is not None:
+            return op(value)
         value = x.to_local()
         for dim, p in enumerate(x.placements):  # one all-reduce per axis that holds a pending sum
             if p.is_partial() and mesh.size(dim) > 1:
@@ -527,7 +543,9 @@ def _view(op, args, kwargs):
     x = args[0]
     if not _uneven(x):
         try:
-            return _default(op, args, kwargs)
+            out = _default(op, args, kwargs)
+            _early.carry(x, out)
+            return out
         except RuntimeError as e:
             # A view DTensor has no layout for (a split dim unflattened into pieces the mesh
             # does not divide: nn.MultiheadAttention's q, k, v out of a projection split over
@@ -536,7 +554,9 @@ def _view(op, args, kwargs):
                 raise
     mesh = x.device_mesh
     whole = x.redistribute(mesh, [Replicate() if p.is_shard() else p for p in x.placements])
-    return _default(op, (whole, *args[1:]), kwargs)
+    out = _default(op, (whole, *args[1:]), kwargs)
+    _early.carry(x, out)
+    return out
 
 
 def _random(op, args, kwargs):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchspmd import runtime
+from torchspmd import _early, runtime
 from torchspmd._delegate import OnXla, on_xla
 from torchspmd._errors import SpmdError
 from torchspmd.mesh import Mesh
@@ -286,7 +286,9 @@ class _Iterator:
         if isinstance(item, _Error):
             self.queue.put(item)
             raise item.exc
-        return item
+        batch, counts = item
+        counts.start()  # here, in the program's thread: a collective in program order
+        return batch
 
     def __del__(self):
         self.stop.set()
@@ -332,12 +334,15 @@ class _Iterator:
 
     def _shard(self, batch, n: int):
         global_rows = self.slicer.global_sizes.popleft() if self.slicer is not None else None
-        return _shard_batch(batch, self.layout, self.owner._device, n, global_rows)
+        counts = _early.BatchCounts(summed=global_rows is not None or self.layout.minibatch)
+        return _shard_batch(batch, self.layout, self.owner._device, n, global_rows, counts), counts
 
 
-def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_rows: int | None):
+def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_rows: int | None,
+                 counts: _early.BatchCounts):
     """Batch ``n`` as global DTensors. ``global_rows``: the batch holds only this
-    process's rows of a batch of that many; None: it holds the whole batch."""
+    process's rows of a batch of that many; None: it holds the whole batch. ``counts``:
+    where each integer tensor's ignored entries are counted (``torchspmd._early``)."""
     if isinstance(layout.sharding, dict):
         if not isinstance(batch, Mapping):
             raise ValueError(
@@ -380,11 +385,20 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
                 continue
             if length != local.shape[d]:
                 local = local.narrow(d, start, length)
+        block = local
         local = local.contiguous().to(device, non_blocking=True)
-        return DTensor.from_local(
+        out = DTensor.from_local(
             local, layout.dmesh, placements, run_check=False, shape=torch.Size(gshape),
             stride=_contiguous_stride(gshape),
         )
+        if t.dtype in _early.COUNTED_TYPES:
+            if read_start is None and not layout.minibatch:  # this process holds the whole tensor
+                index = counts.add(t, not counts.summed or dist.get_rank() == 0)
+            else:  # its block: counted by one process of those holding the same block
+                index = counts.add(block, all(
+                    layout.coord[a] == 0 for a, p in enumerate(placements) if not p.is_shard()))
+            _early.mark(out, counts, index)
+        return out
 
     return _map_batch(batch, convert)
 
@@ -403,4 +417,8 @@ def shard_batch(batch: Any, input_sharding: ShardingSpec | dict, device=None) ->
     if layout.minibatch:
         raise SpmdError("shard_batch(input_sharding=...): minibatch=True specs describe per-process parts; "
                         "shard_batch takes the whole batch")
-    return _shard_batch(batch, layout, torch.device(device) if device is not None else runtime.device(), 0, None)
+    counts = _early.BatchCounts(summed=False)
+    out = _shard_batch(batch, layout, torch.device(device) if device is not None else runtime.device(), 0, None,
+                       counts)
+    counts.start()
+    return out

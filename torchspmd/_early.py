@@ -1,0 +1,174 @@
+"""Global values a step needs, reduced before the step waits for them.
+
+The exact global loss costs a data-parallel step two collectives that DDP's step does not
+have: the count of targets a mean loss divides by, and ``loss.item()`` of the loss's
+pending sum. Each blocks until every process reaches it; with more processes than cores,
+that wait is a large part of the step. Both are started earlier here, asynchronously, at
+points every process reaches in the same order, so that the step finds them done:
+
+1. **Ignored targets.** ``MpDeviceLoader`` counts, for each integer tensor of a batch, the
+   entries equal to -100 (the ``ignore_index`` of torch's and transformers' losses) in the
+   rows this process holds, and starts one asynchronous all-reduce of these counts when
+   the program takes the batch. A mean ``nll_loss``/``cross_entropy`` (no class weights,
+   ``ignore_index=-100``) whose target is such a tensor, or a view of one, unchanged since,
+   divides by the global count of the other entries without a collective of its own.
+2. **Pending sums of losses.** A loss computed over sharded rows is a sum pending over the
+   processes. When the backward pass reaches the loss, its sum is all-reduced
+   asynchronously; ``item()`` of the loss then uses the reduced value.
+
+Every decision here depends only on the program (which tensors, which operations, in
+which order), never on timing, so every process takes it alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+# integer types that can hold IGNORE_INDEX
+COUNTED_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+_COUNTED = "_torchspmd_ignored"
+
+
+class BatchCounts:
+    """The ignored entries of one batch's integer tensors: this process's part of each
+    count, then (``start``) their sums over all processes."""
+
+    def __init__(self, summed: bool):
+        self.summed = summed  # False: every process holds the whole tensors
+        self.parts: list[torch.Tensor | None] = []
+        self.totals: torch.Tensor | None = None
+        self.work = None
+        self.started = False
+
+    def add(self, t: torch.Tensor, counts: bool) -> int:
+        """Add a tensor; ``counts``: whether this process's entries are part of the sum
+        (one process per replica group counts a block held by several)."""
+        self.parts.append(t if counts else None)
+        return len(self.parts) - 1
+
+    def start(self) -> None:
+        """Count, and start the sums (in the program's thread: every process starts them in
+        the same order relative to its other collectives)."""
+        if self.started:
+            return
+        self.started = True
+        self.totals = torch.tensor([0 if t is None else int((t == IGNORE_INDEX).sum()) for t in self.parts],
+                                   dtype=torch.int64)
+        self.parts = []
+        if self.summed and dist.is_initialized() and dist.get_world_size() > 1:
+            self.work = dist.all_reduce(self.totals, async_op=True)
+
+    def total(self, index: int) -> int | None:
+        if not self.started:
+            return None
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return int(self.totals[index])
+
+
+def _versions(t: DTensor) -> tuple[int, int]:
+    # A DTensor changed in place bumps its own version (shared with its views), not its
+    # local tensor's; a local tensor changed through to_local() bumps only its own.
+    return t._version, t._local_tensor._version
+
+
+def mark(t: DTensor, counts: BatchCounts, index: int) -> None:
+    setattr(t, _COUNTED, (counts, index, _versions(t)))
+
+
+def carry(src: Any, out: Any) -> None:
+    """``out``, a view of ``src`` (same entries), keeps ``src``'s count. (Called below
+    autograd, before ``out`` shares ``src``'s version; a copy that does not share it keeps
+    the count only while both versions are 0.)"""
+    info = getattr(src, _COUNTED, None)
+    if info is None or not isinstance(out, DTensor) or _versions(src) != info[2]:
+        return
+    setattr(out, _COUNTED, (info[0], info[1], (src._version, out._local_tensor._version)))
+
+
+def ignored(t: Any) -> int | None:
+    """The global number of IGNORE_INDEX entries of ``t`` when known without a blocking
+    collective; None otherwise."""
+    info = getattr(t, _COUNTED, None)
+    if info is None or torch.compiler.is_compiling():
+        return None
+    counts, index, versions = info
+    if _versions(t) != versions:  # changed in place since it was counted
+        return None
+    return counts.total(index)
+
+
+# ---------------------------------------------------------------------------
+# Pending sums of losses.
+# ---------------------------------------------------------------------------
+
+_SUM = "_torchspmd_sum"  # on a loss: its _Sum
+_SUMS = "_torchspmd_sums"  # on a tensor the loss's backward receives: the _Sums to start there
+
+
+class _Sum:
+    __slots__ = ("local", "versions", "group", "work", "value")
+
+    def __init__(self, loss: DTensor, group):
+        self.local, self.versions, self.group = loss._local_tensor, _versions(loss), group
+        self.work = None
+        self.value: torch.Tensor | None = None
+
+    def start(self) -> None:
+        if self.value is None:
+            self.value = self.local.detach().clone()
+            self.work = dist.all_reduce(self.value, group=self.group, async_op=True)
+
+
+def _group_of(x: DTensor):
+    """The process group over which ``x``'s pending sum is reduced, when it is one."""
+    dims = [d for d, p in enumerate(x.placements) if p.is_partial()]
+    if len(dims) != 1 or any(p.is_partial() and p.reduce_op != "sum" for p in x.placements):
+        return None
+    return x.device_mesh.get_group(dims[0])
+
+
+def pend(loss: DTensor, keeper: DTensor) -> None:
+    """Keep a loss's pending sum, to be reduced when the backward pass reaches the loss:
+    ``keeper`` is a tensor the loss's backward receives (it carries the sum there). The
+    sum is started by that backward only, so what is started follows the program's graph,
+    alike on every process."""
+    if torch.compiler.is_compiling() or loss.ndim != 0:
+        return
+    group = _group_of(loss)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    s = _Sum(loss, group)
+    setattr(loss, _SUM, s)
+    sums = getattr(keeper, _SUMS, None)
+    if sums is None:
+        setattr(keeper, _SUMS, [s])
+    else:
+        sums.append(s)
+
+
+def start(keeper: Any) -> None:
+    """In a loss's backward: start the reductions its forward left with ``keeper``."""
+    sums = getattr(keeper, _SUMS, None)
+    if sums and not torch.compiler.is_compiling():
+        for s in sums:
+            s.start()
+        sums.clear()
+
+
+def reduced(loss: DTensor) -> torch.Tensor | None:
+    """The loss's sum over the processes when its reduction was started (and the loss is
+    unchanged since it was computed); None otherwise: ``item()`` reduces it at once."""
+    s = getattr(loss, _SUM, None)
+    if s is None or s.value is None or _versions(loss) != s.versions:
+        return None
+    if s.work is not None:
+        s.work.wait()
+        s.work = None
+    return s.value
