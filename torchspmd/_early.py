@@ -40,28 +40,29 @@ class BatchCounts:
 
     def __init__(self, summed: bool):
         self.summed = summed  # False: every process holds the whole tensors
-        self.parts: list[torch.Tensor | None] = []
+        self.parts: list[int] = []
         self.totals: torch.Tensor | None = None
         self.work = None
         self.started = False
 
-    def add(self, t: torch.Tensor, counts: bool) -> int:
-        """Add a tensor; ``counts``: whether this process's entries are part of the sum
-        (one process per replica group counts a block held by several)."""
-        self.parts.append(t if counts else None)
+    def count(self, t: torch.Tensor, counts: bool) -> int:
+        """Add a tensor (in the loader's thread); ``counts``: whether this process's entries
+        are part of the sum (one process per replica group counts a block held by several)."""
+        self.parts.append(int((t == IGNORE_INDEX).sum()) if counts else 0)
         return len(self.parts) - 1
 
     def start(self) -> None:
-        """Count, and start the sums (in the program's thread: every process starts them in
-        the same order relative to its other collectives)."""
+        """Start the sums (in the program's thread: every process starts them in the same
+        order relative to its other collectives)."""
         if self.started:
             return
+        from torchspmd import _global_view
+
         self.started = True
-        self.totals = torch.tensor([0 if t is None else int((t == IGNORE_INDEX).sum()) for t in self.parts],
-                                   dtype=torch.int64)
-        self.parts = []
-        if self.summed and dist.is_initialized() and dist.get_world_size() > 1:
-            self.work = dist.all_reduce(self.totals, async_op=True)
+        with _global_view.local_region():  # (plain tensors: no call of the global view per operation)
+            self.totals = torch.tensor(self.parts, dtype=torch.int64)
+            if self.summed and dist.is_initialized() and dist.get_world_size() > 1:
+                self.work = dist.all_reduce(self.totals, async_op=True)
 
     def total(self, index: int) -> int | None:
         if not self.started:

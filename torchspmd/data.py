@@ -393,9 +393,9 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
         )
         if t.dtype in _early.COUNTED_TYPES:
             if read_start is None and not layout.minibatch:  # this process holds the whole tensor
-                index = counts.add(t, not counts.summed or dist.get_rank() == 0)
+                index = counts.count(t, not counts.summed or dist.get_rank() == 0)
             else:  # its block: counted by one process of those holding the same block
-                index = counts.add(block, all(
+                index = counts.count(block, all(
                     layout.coord[a] == 0 for a, p in enumerate(placements) if not p.is_shard()))
             _early.mark(out, counts, index)
         return out
