@@ -81,7 +81,7 @@ def test_fsdp_tensor_parallel_step(dist):
         # FSDP2's reduce-scatter of the unit's gradients over 'fsdp', in backward.
         "c10d._reduce_scatter_base_": 1,
         # loss.item(): the global loss is a pending sum over 'fsdp' (each shard's rows);
-        # torchspmd's .item() all-reduces the 4-byte scalar.
+        # the loss's backward starts the all-reduce of the 4-byte scalar, item() waits on it.
         "c10d.allreduce_": 1,
     }
     assert total == 5
@@ -91,8 +91,7 @@ def test_fsdp_tensor_parallel_step(dist):
         ("c10d._allgather_base_", "backward", "fsdp", 2, 1, unit),
         ("c10d_functional.all_reduce", "forward", "model", 2, 1, 3 * 16 * 4),  # this shard's 3 rows of fc2
         ("c10d._reduce_scatter_base_", "backward", "fsdp", 2, 1, unit),
-        # CommDebugMode's tracker calls what follows backward 'forward'
-        ("c10d.allreduce_", "forward", "fsdp", 2, 1, 4),
+        ("c10d.allreduce_", "backward", "fsdp", 2, 1, 4),
     ])
 
 

@@ -367,8 +367,9 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
         rows[key] = rows.get(key, 0) + 1
     collectives = [Collective(k, ph, m, ax, sz, n, b) for (k, ph, m, ax, sz, b), n in rows.items()]
     if collectives:
-        notes.append("phase and module are CommDebugMode's (its module tracker): a call after backward (the loss's "
-                     ".item(), the optimizer step) shows the phase 'forward' and the last module backward reached")
+        notes.append("phase and module are CommDebugMode's (its module tracker): a call after backward (the "
+                     "optimizer step, an .item() not started by backward) shows the phase 'forward' and the last "
+                     "module backward reached")
         notes.append("bytes per call: the whole buffer (an all-gather's output, a reduce-scatter's input, an "
                      "all-reduce's tensor), read from the call's tensors")
     seen = sum(c.count for c in collectives)
