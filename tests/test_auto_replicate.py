@@ -265,7 +265,7 @@ def test_optimizer_step_on_plain_parameters_leaves_the_global_view_aside(dist):
 
 
 def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100, change_in_place: bool = False,
-                     item_first: bool = False):
+                     item_first: bool = False, whole: bool = False):
     """Pattern 1 on a decoder whose targets hold ``ignore_index`` unevenly (most of them in
     the first rows of each batch, so on the first process). Returns the losses, the
     gradients and the parameters after each step, and with ``spmd`` the number of blocking
@@ -284,6 +284,8 @@ def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100
     if spmd:
         n = ts.global_runtime_device_count()
         mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        if whole:  # a list: every process reads each whole batch (no per-process reading)
+            loader = list(loader)
         loader = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     blocking = [0]
@@ -319,15 +321,16 @@ def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100
     return losses, grads, state, blocked
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ignored_targets_need_no_blocking_collective(dist, world):
+@pytest.mark.parametrize("world,whole", [(2, False), (4, False), (2, True)], ids=["2", "4", "2-whole-batches"])
+def test_ignored_targets_need_no_blocking_collective(dist, world, whole):
     # The count a mean cross-entropy divides by comes from the loader (reduced while the
-    # forward runs) and loss.item() from a reduction started at the backward pass: the loss
-    # and item() block on no collective, and everything still equals one device's run
-    # (batches of 8 rows, then 7: uneven).
+    # forward runs, or counted by each process when every process reads whole batches) and
+    # loss.item() from a reduction started at the backward pass: the loss and item() block
+    # on no collective, and everything still equals one device's run (batches of 8 rows,
+    # then 7: uneven).
     rows = 8 * 3 + 7
     ref = _ignored_targets(False, rows, 8)
-    results = dist(world).run(_ignored_targets, True, rows, 8)
+    results = dist(world).run(_ignored_targets, True, rows, 8, whole=whole)
     _check([(*r[:3], None) for r in results], ref)
     assert all(r[3] == [0, 0, 0, 0] for r in results), [r[3] for r in results]
 
@@ -344,3 +347,66 @@ def test_ignored_targets_exact_where_nothing_was_counted_ahead(dist, case):
     _check([(*r[:3], None) for r in results], ref)
     # the loss (or item()) reduced at once what was not known ahead, on every process alike
     assert all(r[3] == results[0][3] and all(b > 0 for b in r[3][:2]) for r in results), [r[3] for r in results]
+
+
+def _hooks_during_local_calls(fail: bool):
+    """Count the automatic path's global hook calls during a local forward of the decoder
+    (with ``fail``, one whose forward raises); report the hook tables' order after it and
+    the module stack."""
+    import importlib
+
+    from torch.nn.modules import module as m
+
+    rp = importlib.import_module("torchspmd.replicate")  # (the package's `replicate` is the function)
+
+    torch.manual_seed(0)
+    model = _decoder()
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+    x_all, y_all = _data("decoder", 8 * 3)
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_all, y_all), batch_size=8),
+                               ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
+    calls = []
+    original = rp._global_pre
+    rp._INSTALLED[0].remove()
+    rp._INSTALLED[0] = m.register_module_forward_pre_hook(lambda mod, args: (calls.append(mod), original(mod, args))[1])
+    other = m.register_module_forward_pre_hook(lambda mod, args: None)  # someone else's global hook, after ours
+    before = (list(m._global_forward_pre_hooks), list(m._global_forward_hooks))
+    try:
+        batches = iter(loader)
+        for _ in range(2):  # the check, then the first local call
+            x, y = next(batches)
+            F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        x, y = next(batches)
+        calls.clear()
+        raised = False
+        if fail:
+            model.layers[0].register_forward_pre_hook(lambda mod, args: 1 / 0)
+            try:
+                model(x)
+            except ZeroDivisionError:
+                raised = True
+        else:
+            F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        counted = len(calls)
+        after = (list(m._global_forward_pre_hooks), list(m._global_forward_hooks))
+        stack = list(rp._stack())
+        local = list(ts.auto_path(model).values())
+    finally:
+        other.remove()
+        rp._INSTALLED[0].remove()
+        rp._INSTALLED[0] = m.register_module_forward_pre_hook(original)
+    return counted, before[0] == after[0] or (before, after), before[1] == after[1], stack, local, raised
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["local-call", "raising-local-call"])
+def test_local_call_sets_the_global_module_hooks_aside(dist, fail):
+    # Inside a local call the submodules take Module.__call__'s fast path: the automatic
+    # path's global hook is called for the root only; afterwards (after a raise too) the
+    # global hooks are back in their order and the module stack is empty.
+    for counted, pre_order, post_order, stack, local, raised in dist(2).run(_hooks_during_local_calls, fail):
+        assert local == [True]
+        assert counted == 1, counted
+        assert pre_order is True, pre_order
+        assert post_order and stack == []
+        assert raised == fail

@@ -358,6 +358,7 @@ class _AutoState:
         self.suspended = None
         self.stream = None
         self.local = False  # this call computes locally
+        self.hooks_aside = None
         self.converting = False  # its outputs are to be made global
         self.using_ddp = None
         module.register_forward_pre_hook(self.pre, with_kwargs=True)
@@ -460,6 +461,7 @@ class _AutoState:
         self.stream = local_rows_stream(self.layout, self.data_dims)
         self.stream.__enter__()
         self.local = self.converting = True
+        self.hooks_aside = _global_hooks_aside()
         if torch.is_grad_enabled():
             ddp = self._reducer(module)
             DistributedDataParallel._active_ddp_module = ddp
@@ -470,6 +472,11 @@ class _AutoState:
     def leave_local(self, module, args, kwargs, output):
         if self.local:
             self.local = False
+            _global_hooks_back(self.hooks_aside)
+            self.hooks_aside = None
+            stack = _stack()  # (what this module's own _global_post, set aside, would do)
+            if stack and stack[-1] is module:
+                stack.pop()
             stream, self.stream = self.stream, None
             stream.__exit__(None, None, None)
             _global_view.resume(self.suspended)
@@ -511,6 +518,30 @@ def _global_post(module, args, kwargs, output):
         if state is not None and state.checking is not None:
             state.end_check(module, args, kwargs, output)
     return None
+
+
+def _global_hooks_aside() -> list:
+    """Take this path's global module hooks out while a module computes locally: inside
+    it no module is a new root, and with no global hook the submodules' calls take
+    ``Module.__call__``'s fast path (no hook bookkeeping per call), as under DDP. The
+    module's own hooks put them back (``leave_local``), before its post hooks, after a
+    raise too."""
+    from torch.nn.modules import module as m
+
+    aside = []
+    for handle, table in zip(_INSTALLED, (m._global_forward_pre_hooks, m._global_forward_hooks)):
+        if handle.id in table:
+            aside.append((table, list(table), handle.id, table.pop(handle.id)))
+    return aside
+
+
+def _global_hooks_back(aside: list | None) -> None:
+    for table, order, mine, hook in aside or ():
+        now = dict(table)  # (others' hooks, some maybe added or removed meanwhile)
+        now[mine] = hook
+        table.clear()
+        table.update((k, now.pop(k)) for k in order if k in now)  # the order they had
+        table.update(now)  # then those registered meanwhile
 
 
 def install_auto() -> None:
