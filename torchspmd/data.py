@@ -279,6 +279,13 @@ class _Iterator:
         return self
 
     def __next__(self):
+        with self.queue.mutex:  # the batch about to be taken, if ready
+            head = self.queue.queue[0] if self.queue.queue else None
+        if type(head) is tuple:
+            # Start its counts' collective before taking it: taking it wakes the loader's
+            # thread, which would hold the interpreter while the collective starts (measured
+            # ~1 ms per batch here) rather than work during the backward pass as it can.
+            head[1].start()
         item = self.queue.get()
         if item is _END:
             self.queue.put(_END)
