@@ -265,13 +265,11 @@ def test_optimizer_step_on_plain_parameters_leaves_the_global_view_aside(dist):
 
 
 def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100, change_in_place: bool = False,
-                     item_first: bool = False, whole: bool = False):
+                     item_first: bool = False, whole: bool = False, host_group: bool = True):
     """Pattern 1 on a decoder whose targets hold ``ignore_index`` unevenly (most of them in
     the first rows of each batch, so on the first process). Returns the losses, the
     gradients and the parameters after each step, and with ``spmd`` the number of blocking
     all-reduces made by each step's loss and ``loss.item()``."""
-    import torch.distributed as tdist
-
     torch.manual_seed(0)
     model = _decoder()
     g = torch.Generator().manual_seed(11)
@@ -288,6 +286,21 @@ def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100
             loader = list(loader)
         loader = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if not spmd or host_group:
+        return _ignored_steps(model, loader, opt, ignore_index, change_in_place, item_first)
+    from torchspmd import _early
+
+    host_collectives = _early._host_collectives
+    _early._host_collectives = lambda: False  # as with a default group of NCCL alone: no sums on the host
+    try:
+        return _ignored_steps(model, loader, opt, ignore_index, change_in_place, item_first)
+    finally:
+        _early._host_collectives = host_collectives
+
+
+def _ignored_steps(model, loader, opt, ignore_index, change_in_place, item_first):
+    import torch.distributed as tdist
+
     blocking = [0]
     original = tdist.all_reduce
 
@@ -339,6 +352,7 @@ def test_ignored_targets_need_no_blocking_collective(dist, world, whole):
     dict(change_in_place=True),  # targets changed after the loader counted them
     dict(ignore_index=3),  # another ignore_index than the one counted
     dict(item_first=True),  # item() before backward: nothing reduced yet
+    dict(host_group=False),  # counts that cannot be summed ahead
 ])
 def test_ignored_targets_exact_where_nothing_was_counted_ahead(dist, case):
     rows = 8 * 2 + 5

@@ -62,10 +62,15 @@ class BatchCounts:
         with _global_view.local_region():  # (plain tensors: no call of the global view per operation)
             self.totals = torch.tensor(self.parts, dtype=torch.int64)
             if self.summed and dist.is_initialized() and dist.get_world_size() > 1:
+                if not _host_collectives():
+                    # A default group without a CPU backend (NCCL alone, initialised by the
+                    # program): the counts are not summed, and the loss reduces its own.
+                    self.totals = None
+                    return
                 self.work = dist.all_reduce(self.totals, async_op=True)
 
     def total(self, index: int) -> int | None:
-        if not self.started:
+        if not self.started or self.totals is None:
             return None
         if self.work is not None:
             self.work.wait()
@@ -77,6 +82,14 @@ def _versions(t: DTensor) -> tuple[int, int]:
     # A DTensor changed in place bumps its own version (shared with its views), not its
     # local tensor's; a local tensor changed through to_local() bumps only its own.
     return t._version, t._local_tensor._version
+
+
+def _host_collectives() -> bool:
+    """Whether the default group reduces CPU tensors (gloo, or torchspmd's
+    ``cpu:gloo,cuda:nccl``): the counts stay on the host, so that reading them never waits
+    for a device."""
+    backend = str(dist.get_backend())
+    return backend in ("gloo", "mpi") or "cpu:" in backend
 
 
 def mark(t: DTensor, counts: BatchCounts, index: int) -> None:

@@ -283,8 +283,8 @@ class _Iterator:
             head = self.queue.queue[0] if self.queue.queue else None
         if type(head) is tuple:
             # Start its counts' collective before taking it: taking it wakes the loader's
-            # thread, which would hold the interpreter while the collective starts (measured
-            # ~1 ms per batch here) rather than work during the backward pass as it can.
+            # thread, which would then hold the interpreter while the collective starts,
+            # preparing the next batch on the program's time.
             head[1].start()
         item = self.queue.get()
         if item is _END:
