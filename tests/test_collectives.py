@@ -392,15 +392,45 @@ def _nested_model():
                                torch.nn.Linear(13, 7))
 
 
-def _train_shared(shared, late=None, steps=3, prefetch=False):
+def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
     """Train ``_nested_model`` under FSDPv2 (shm collectives) ``steps`` Adam steps; with
     ``shared`` False, TORCHSPMD_SHARED_PARAMS=0 (the gathered parameters copied into each
     process's memory). ``late``: (rank, seconds): that rank computes for a while in the
     forward and backward of every wrapped Linear, so that the others run ahead. ``prefetch``:
     the first unit gathers the next two as it starts (FSDP2's explicit prefetching: two
-    gathers wait to be copied out at once). Returns the
-    losses, the full parameters, and for each Linear's forward (in order) where its gathered
-    weight lives: (file of the mapping, offset in it)."""
+    gathers wait to be copied out at once). ``slow_sum``: that rank computes for 0.05 s
+    before each sum of a reduce-scatter's rows, so that the others, done with theirs, run
+    ahead to the next reduce-scatter. Returns the
+    losses, the full parameters, for each Linear's forward (in order) where its gathered
+    weight lives: (file of the mapping, offset in it), and the barriers, gathers and
+    reduce-scatters of the last step."""
+    import torch.distributed as tdist
+
+    import torchspmd.fsdp.collectives as coll
+
+    counts = {"barrier": 0, "gather": 0, "reduce_scatter": 0}
+    originals = (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
+                 coll._sum_in_rank_order)
+
+    def counted(name, f):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return f(*args, **kwargs)
+        return call
+
+    tdist.barrier = counted("barrier", tdist.barrier)
+    coll.SharedParamsAllGather.gather = counted("gather", coll.SharedParamsAllGather.gather)
+    coll.SharedMemoryReduceScatter.__call__ = counted("reduce_scatter", coll.SharedMemoryReduceScatter.__call__)
+    if slow_sum == ts.global_ordinal():
+        coll._sum_in_rank_order = lambda rows, out: (_busy(0.05), originals[3](rows, out))
+    try:
+        return _train_shared_counted(shared, late, steps, prefetch, counts)
+    finally:
+        (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
+         coll._sum_in_rank_order) = originals
+
+
+def _train_shared_counted(shared, late, steps, prefetch, counts):
     from torchspmd.fsdp.collectives import SHARED_PARAMS_SWITCH
 
     os.environ[SHARED_PARAMS_SWITCH] = "1" if shared else "0"
@@ -434,13 +464,14 @@ def _train_shared(shared, late=None, steps=3, prefetch=False):
     warnings.filterwarnings("ignore", "Full backward hook is firing")  # the first Linear's input needs none
     for _ in range(steps):
         x = ts.mark_sharding(torch.randn(7, 5, generator=g), mesh, ("fsdp", None))
+        counts.update(barrier=0, gather=0, reduce_scatter=0)
         with ts.step():
             loss = wrapped(x).sin().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
-    return losses, ts.full_state_dict(wrapped), where
+    return losses, ts.full_state_dict(wrapped), where, dict(counts)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -457,14 +488,14 @@ def test_gathered_parameters_live_once_in_shared_memory(dist, world):
     shared = dist(world).run(_train_shared, True)
     copied = dist(world).run(_train_shared, False)
     prefetched = dist(world).run(_train_shared, True, None, 3, True)
-    for (losses, state, where), (ref_losses, ref_state, ref_where), (p_losses, p_state, _) in \
+    for (losses, state, where, _), (ref_losses, ref_state, ref_where, _), (p_losses, p_state, _, _) in \
             zip(shared, copied, prefetched):  # the full state on rank 0
         assert losses == ref_losses == p_losses and losses == shared[0][0] and state.keys() == ref_state.keys()
         for k in ref_state:
             assert torch.equal(state[k], ref_state[k]) and torch.equal(p_state[k], ref_state[k]), k
         assert len(where) == 3 * 5 and all("/torchspmd-" in f and f.endswith("(deleted)") for f, _ in where), where
         assert not any("/torchspmd-" in f for f, _ in ref_where), ref_where
-    assert all(w == shared[0][2] for _, _, w in shared)  # the same pages everywhere
+    assert all(w == shared[0][2] for _, _, w, _ in shared)  # the same pages everywhere
 
 
 @pytest.mark.parametrize("late_rank", [0, 2])
@@ -479,7 +510,28 @@ def test_shared_parameters_with_a_late_process(dist, late_rank):
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
     late = dist(3).run(_train_shared, True, (late_rank, 0.05))
     copied = dist(3).run(_train_shared, False)
-    for (losses, state, _), (ref_losses, ref_state, _) in zip(late, copied):  # full state on rank 0
+    for (losses, state, _, _), (ref_losses, ref_state, _, _) in zip(late, copied):  # full state on rank 0
         assert losses == ref_losses and state.keys() == ref_state.keys()
         for k in ref_state:
             assert torch.equal(state[k], ref_state[k]), k
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_rows_are_written_again_only_after_every_sum(dist, world):
+    """A reduce-scatter's rows are written again without a barrier of their own when a
+    barrier of the group (the next unit's gathering) has passed since the last sum: fewer
+    barriers than one per gather and two per reduce-scatter. With one process summing 0.05 s
+    late every time, the others run ahead as far as that allows: training is still bit for
+    bit the copying all-gather's, on every rank."""
+    from torchspmd.fsdp.collectives import _can_point_storages
+
+    if not _can_point_storages():
+        pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
+    slow = dist(world).run(_train_shared, True, None, 3, False, world - 1)
+    copied = dist(world).run(_train_shared, False)
+    for (losses, state, _, counts), (ref_losses, ref_state, _, _) in zip(slow, copied):
+        assert losses == ref_losses and state.keys() == ref_state.keys()
+        for k in ref_state:
+            assert torch.equal(state[k], ref_state[k]), k
+        assert counts["gather"] and counts["reduce_scatter"], counts
+        assert counts["barrier"] < counts["gather"] + 2 * counts["reduce_scatter"], counts

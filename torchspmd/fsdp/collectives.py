@@ -10,19 +10,22 @@ variants (what each computes exactly: ``docs/performance.md``, measured by
   torch lets a storage point at memory it does not own (``UntypedStorage._swap_data_ptr_``:
   torch 2.13 has it, 2.9 does not) and the unit's parameters are split on dim 0 and gathered as one
   tensor each, the gathered parameters themselves live in shared memory, once for all the
-  processes (:class:`SharedParamsAllGather`): each process copies its shards into their
-  places in a shared region laid out parameter by parameter, one barrier, and every
-  parameter's storage points at its place there until FSDP2 frees it; no process copies
-  the whole parameters out. Otherwise the all-gather output buffer FSDP2 asks for *is* one
+  processes (:class:`SharedParamsAllGather`): each process copies its shards straight from
+  its sharded parameters into their places in a shared region laid out parameter by
+  parameter (FSDP2's all-gather is taken over: no all-gather input buffer in between), one
+  barrier, and every parameter's storage points at its place there until FSDP2 frees it; no
+  process copies the whole parameters out. Otherwise the all-gather output buffer FSDP2 asks for *is* one
   shared buffer: once every process is done with the previous parameters (a barrier when
   FSDP2 asks for the buffer), FSDP2 copies each process's shard into its slot, a second
   barrier, and every process copies the whole parameters out of it. The reduce-scatter
-  input FSDP2 asks for is this process's row of one shared buffer: a barrier when FSDP2 asks for it, FSDP2 copies the
-  gradients in, a second barrier, and each process sums its own column of the rows, in
+  input FSDP2 asks for is this process's row of one shared buffer: FSDP2 copies the
+  gradients in (once every process is done summing the previous rows: a barrier of the group
+  since then, usually the next unit's gathering, else one of its own), a barrier, and each
+  process sums its own column of the rows, in
   rank order and in float32 (so every shard is the same fixed-order sum whoever arrives
   first; gloo's own sums in ring order and differs by rounding). No bytes go through a
   socket; the barriers are gloo's. The shared memory is the size of the largest unit's
-  gathered parameters (the rows FSDP2 copies the shards into) plus the largest unit's
+  gathered parameters (without shared parameters: the buffer FSDP2 gathers into) plus the largest unit's
   gradients times the process count (what the processes' own reduce-scatter input buffers
   took), plus 16 MB for direct calls (a buffer grown out of is unmapped once nothing views
   it), plus, with the parameters shared, the regions they are gathered into: what FSDP2
@@ -123,6 +126,7 @@ class _Arena:
         self.capacity = 0
         self.turn = 0
         self.path = ""  # the (deleted) file of the current buffer
+        self.summed_at = -1  # the group's barrier count when this process last summed out of it
 
     def _grow(self, nbytes: int) -> None:
         base, self.path = _map_shared(self.group, self.parts * nbytes)
@@ -218,20 +222,26 @@ class SharedMemoryReduceScatter(ReduceScatter):
     (:func:`_sum_in_rank_order`).
 
     Under FSDP2 the input buffer FSDP2 asks for (``allocate``, before it copies the
-    gradients in) *is* this process's row of one shared buffer, ``[world, numel]``: a
-    barrier there (every process is done summing the previous reduce-scatter's input),
-    FSDP2 writes its gradients into the row, a second barrier at the call, and each process
-    sums its column of the rows. Two barriers and no copy beyond FSDP2's own. The buffer
-    holds every process's input once, the bytes each process's private input buffer used
-    to take. FSDP2 asks for the input and then the output (a plain tensor) before the
-    call; an input that does not come from ``allocate`` (a direct call) goes through a
-    small shared buffer in steps instead (two halves of ``RS_STEP_BYTES`` used in turn:
-    each process writes its piece for every destination, a barrier, each sums its
+    gradients in) *is* this process's row of one shared buffer, ``[world, numel]``: FSDP2
+    writes its gradients into the row, a barrier at the call, and each process sums its
+    column of the rows. Before a row is written again every process must be done summing
+    the previous reduce-scatter's rows: a barrier of this group passed since the last sum
+    says so (every process passed it after its own sum: the processes pass this group's
+    barriers in one order), and between two reduce-scatters there usually is one (the
+    gathering of the next unit's parameters); otherwise ``allocate`` waits at a barrier
+    itself. So one barrier per reduce-scatter, two at most, and no copy beyond FSDP2's own.
+    The buffer holds every process's input once, the bytes each process's private input
+    buffer used to take. FSDP2 asks for the input and then the output (a plain tensor)
+    before the call; an input that does not come from ``allocate`` (a direct call) goes
+    through a small shared buffer in steps instead (two halves of ``RS_STEP_BYTES`` used in
+    turn: each process writes its piece for every destination, a barrier, each sums its
     column)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
+        self.shared = _shared(group)  # counts this group's barriers
         self._pending: torch.Tensor | None = None  # the shared [world, numel] buffer of the input handed out
+        self._rows_arena: _Arena | None = None  # the arena it came from
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self._pending is not None or device.type != "cpu":  # the output: this process's own memory
@@ -242,9 +252,10 @@ class SharedMemoryReduceScatter(ReduceScatter):
         world, rank = self.group.size(), self.group.rank()
         nbytes = _nbytes(size, dtype)
         arena = _arena(self.group, "reduce_scatter_input")
-        dist.barrier(group=self.group)  # nobody still sums the previous input
+        if self.shared.epoch <= arena.summed_at:
+            self.shared.barrier()  # nobody still sums the previous input
         rows = arena.next(world * nbytes).view(dtype).view(world, numel)
-        self._pending = rows
+        self._pending, self._rows_arena = rows, arena
         return rows[rank].view(*size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -256,8 +267,9 @@ class SharedMemoryReduceScatter(ReduceScatter):
         rows, self._pending = self._pending, None
         if (rows is not None and input_tensor.data_ptr() == rows[rank].data_ptr()
                 and input_tensor.numel() == rows.shape[1] and input_tensor.dtype == rows.dtype):
-            dist.barrier(group=group)  # every row written
+            self.shared.barrier()  # every row written
             _sum_in_rank_order(rows.view(world, world, per)[:, rank], output_tensor.view(-1))
+            self._rows_arena.summed_at = self.shared.epoch
             return _Done() if async_op else None
         src = input_tensor.view(world, per)  # src[d]: this process's part for destination d
         out = output_tensor.view(-1)
@@ -282,12 +294,14 @@ SHARED_PARAMS_SWITCH = "TORCHSPMD_SHARED_PARAMS"
 def _can_point_storages() -> bool:
     """This torch can make a parameter's storage point at memory it does not own and back
     (``UntypedStorage._swap_data_ptr_``: torch 2.13 has it, 2.9 does not), and FSDP2's
-    copy-out can be taken over."""
+    all-gather and copy-out can be taken over."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives_mod
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
 
     return (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
             and hasattr(torch._C, "_construct_storage_from_data_pointer")
-            and hasattr(group_mod, "foreach_all_gather_copy_out"))
+            and hasattr(group_mod, "foreach_all_gather") and hasattr(group_mod, "foreach_all_gather_copy_out")
+            and hasattr(collectives_mod, "_get_param_all_gather_inputs"))
 
 
 def _shares_params(module) -> bool:
@@ -347,7 +361,8 @@ class _SharedParams:
     Every process makes the same decisions in the same order (FSDP2 gathers and frees in one
     order everywhere), so regions, slabs and barriers agree without talking. A region whose
     parameters were freed is written again only once every process has freed them, that is
-    once a barrier of this group has passed since the free (``epoch`` counts them)."""
+    once a barrier of this group has passed since the free (``epoch`` counts them: the
+    gathers' and the shared-memory reduce-scatters' of this group)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -387,10 +402,17 @@ class _SharedParams:
 
 
 _SHARED: dict[int, _SharedParams] = {}
-#: id of an all-gather output not yet copied out -> (the output, its collective). Keyed by the
-#: tensor itself (held here, so its id is not reused), not by its address: FSDP2's own
-#: buffers may later reuse the address of a private one.
-_PENDING: dict[int, tuple[torch.Tensor, "SharedParamsAllGather"]] = {}
+
+
+def _shared(group: dist.ProcessGroup) -> _SharedParams:
+    if id(group) not in _SHARED:
+        _SHARED[id(group)] = _SharedParams(group)
+    return _SHARED[id(group)]
+
+
+#: id of a gather's output not yet copied out -> (the output, its collective, its region).
+#: Keyed by the tensor itself (held here, so its id is not reused), not by its address.
+_PENDING: dict[int, tuple[torch.Tensor, "SharedParamsAllGather", _Region]] = {}
 _ALIGN = 64
 
 
@@ -398,67 +420,83 @@ class SharedParamsAllGather(AllGather):
     """All-gather whose result is the unit's parameters in shared memory, once for all the
     processes of this machine, instead of a copy in every process.
 
-    FSDP2 asks for the output buffer and copies this process's shards into its row (a row of
-    a shared buffer only this process touches: no wait). The call does nothing. At FSDP2's
-    copy-out (taken over for these units, ``copy_out``) each process copies its row into a
-    region of :class:`_SharedParams` laid out parameter by parameter (parameter ``p``'s
-    gathered tensor is ``[world, shard of p]`` there, as FSDP2 lays it out in its own
-    memory), waits at one barrier (every shard written), and points each parameter's
-    storage at its place in the region. When FSDP2 frees the gathered parameters, the
-    storages are pointed back at empty memory. Processes read the parameters from the same
-    pages; nothing is copied out."""
+    FSDP2's all-gather of these units is taken over (:meth:`gather`): each process copies its
+    shards, straight from its sharded parameters, into a region of :class:`_SharedParams`
+    laid out parameter by parameter (parameter ``p``'s gathered tensor is ``[world, shard
+    of p]`` there, as FSDP2 lays it out in its own memory). At FSDP2's copy-out (taken over
+    too, :meth:`copy_out`) it waits at one barrier (every shard written) and points each
+    parameter's storage at its place in the region. When FSDP2 frees the gathered
+    parameters, the storages are pointed back at empty memory. Processes read the
+    parameters from the same pages; nothing is copied out, and FSDP2's all-gather input
+    buffer (a copy of the shards) is not used."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
-        if id(group) not in _SHARED:
-            _SHARED[id(group)] = _SharedParams(group)
-        self.shared = _SHARED[id(group)]
-        _take_over_copy_out()
+        self.shared = _shared(group)
+        _take_over()
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        part = _arena(self.group, "gather_rows").next(_nbytes(size, dtype))
-        if any(t.data_ptr() == part.data_ptr() for t, _ in _PENDING.values()):
-            # an earlier gather (explicit prefetching) is still to be copied out of this part
-            return torch.empty(*size, dtype=dtype, device=device)
-        return part.view(dtype).view(*size)
+    def gather(self, fsdp_params, group: dist.ProcessGroup):
+        """FSDP2's ``foreach_all_gather`` for this unit (taken over, :func:`_take_over`): this
+        process's shards straight into their places in a new region (no copy into an
+        all-gather input buffer first); the barrier and the parameters' storages come at the
+        copy-out. Returns FSDP2's ``AllGatherResult``, whose output is the region's bytes."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (AllGatherResult,
+                                                                          _get_param_all_gather_inputs)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
-        _into_own_slot(output_tensor, input_tensor, group)
-        _PENDING[id(output_tensor)] = (output_tensor, self)
-        return _Done() if async_op else None
-
-    def copy_out(self, result, fsdp_params, group: dist.ProcessGroup) -> None:
         world, rank = group.size(), group.rank()
-        if any(len(n) != 1 for n in result.param_all_gather_input_numels):
+        inputs = _get_param_all_gather_inputs(fsdp_params)
+        if any(len(ts) != 1 for ts in inputs):
             raise SpmdError("FSDPv2(collectives='shm'): a parameter is gathered as several tensors "
                             "(fsdp_pre_all_gather); use collectives='allreduce'")
-        out = result.all_gather_output
-        row = out.view(world, -1)[rank].view(torch.uint8)
-        sizes = [n * out.element_size() for n in result.all_gather_input_split_sizes]  # bytes per shard
+        shards = [ts[0] for ts in inputs]
+        sizes = [t.numel() * t.element_size() for t in shards]  # bytes per shard
         starts, total = [], 0
         for b in sizes:
             starts.append(total)
             total += -(-world * b // _ALIGN) * _ALIGN
+        for key, (_, gather, region) in list(_PENDING.items()):
+            if gather is self:  # gathered before and never copied out (a step given up midway): release it
+                del _PENDING[key]
+                _unreserve(region, self.shared)
         shared = self.shared
         region = shared.place(total)
+        region.holders += 1  # reserved until the copy-out
         slab = shared.slabs[region.slab]
-        at = 0
-        for b, start in zip(sizes, starts):
+        for t, b, start in zip(shards, sizes, starts):
             block = slab[region.start + start:region.start + start + world * b]
-            block.view(world, b)[rank].copy_(row[at:at + b])
-            at += b
+            block.view(world, b)[rank].view(t.dtype).copy_(t.reshape(-1))
+        out = slab[region.start:region.start + total]
+        _PENDING[id(out)] = (out, self, region)
+        return AllGatherResult(out, None, None, [[t.dtype] for t in shards], [[t.numel()] for t in shards],
+                               [t.numel() for t in shards])
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise SpmdError("SharedParamsAllGather gathers through FSDP2's foreach_all_gather, taken over")
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        raise SpmdError("SharedParamsAllGather gathers through FSDP2's foreach_all_gather, taken over")
+
+    def copy_out(self, result, fsdp_params, group: dist.ProcessGroup, region: _Region) -> None:
+        """Once every process's shards are in ``region`` (a barrier), point each parameter's
+        storage at its place there."""
+        world = group.size()
+        shared = self.shared
         shared.barrier()  # every process's shards are in place
-        base = slab.data_ptr() + region.start
-        for fsdp_param, numels, dtypes, b, start in zip(fsdp_params, result.param_all_gather_input_numels,
-                                                        result.param_all_gather_input_dtypes, sizes, starts):
+        base = shared.slabs[region.slab].data_ptr() + region.start
+        start = 0
+        for fsdp_param, numels, dtypes in zip(fsdp_params, result.param_all_gather_input_numels,
+                                              result.param_all_gather_input_dtypes):
+            nbytes = world * numels[0] * torch.empty((), dtype=dtypes[0]).element_size()
             _release(fsdp_param)
-            fsdp_param.init_all_gather_outputs(numels, dtypes, world, out.device)
+            fsdp_param.init_all_gather_outputs(numels, dtypes, world, result.all_gather_output.device)
             storage = fsdp_param.all_gather_outputs[0].untyped_storage()
             storage.resize_(0)
-            storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(base + start, out.device,
-                                                                                   world * b))
+            storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(
+                base + start, result.all_gather_output.device, nbytes))
             _hold(fsdp_param, region, shared)
+            start += -(-nbytes // _ALIGN) * _ALIGN
+        _unreserve(region, shared)
 
 
 def _hold(fsdp_param, region: _Region, shared: _SharedParams) -> None:
@@ -483,29 +521,39 @@ def _release(fsdp_param) -> None:
     region, shared = held
     fsdp_param.all_gather_outputs[0].untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))
     fsdp_param._torchspmd_region = None
+    _unreserve(region, shared)
+
+
+def _unreserve(region: _Region, shared: _SharedParams) -> None:
     region.holders -= 1
     if not region.holders:
         region.freed_at = shared.epoch
 
 
-def _take_over_copy_out() -> None:
-    """FSDP2's copy-out, for the units gathered by :class:`SharedParamsAllGather`: theirs is
-    theirs, every other all-gather goes to FSDP2's own."""
+def _take_over() -> None:
+    """FSDP2's all-gather and copy-out, for the units gathered by
+    :class:`SharedParamsAllGather`: theirs is theirs, every other unit's go to FSDP2's own."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
 
-    original = group_mod.foreach_all_gather_copy_out
-    if getattr(original, "_torchspmd", False):
+    if getattr(group_mod.foreach_all_gather_copy_out, "_torchspmd", False):
         return
+    original_gather, original_copy_out = group_mod.foreach_all_gather, group_mod.foreach_all_gather_copy_out
+
+    def foreach_all_gather(fsdp_params, group, async_op, copy_in_stream, stream, device, all_gather_comm):
+        if isinstance(all_gather_comm, SharedParamsAllGather):
+            return all_gather_comm.gather(fsdp_params, group)
+        return original_gather(fsdp_params, group, async_op, copy_in_stream, stream, device, all_gather_comm)
 
     def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
         out = all_gather_result.all_gather_output
         pending = _PENDING.get(id(out))
         if pending is None or pending[0] is not out:
-            return original(all_gather_result, fsdp_params, group)
+            return original_copy_out(all_gather_result, fsdp_params, group)
         del _PENDING[id(out)]
-        pending[1].copy_out(all_gather_result, fsdp_params, group)
+        pending[1].copy_out(all_gather_result, fsdp_params, group, pending[2])
 
     foreach_all_gather_copy_out._torchspmd = True  # type: ignore[attr-defined]
+    group_mod.foreach_all_gather = foreach_all_gather
     group_mod.foreach_all_gather_copy_out = foreach_all_gather_copy_out
 
 
