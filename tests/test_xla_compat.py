@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import ROOT, clean_env
+from filelock import FileLock
 
 HERE = ROOT / "tests" / "xla_compat"
 SEEDS = ROOT.parent / "shared" / "seeds"
@@ -56,11 +57,29 @@ def _oracle_once(*args):
     return _ORACLES[args]
 
 
+@pytest.fixture(scope="session")
+def seed_oracle(tmp_path_factory, worker_id):
+    """The oracle's losses for a seed program, computed once for all the test runners: the
+    pytest-xdist workers of a run share the parent of their temporary directories, and a file
+    lock there lets one of them compute while the others wait for its result."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+
+    def losses(program: str) -> list[float]:
+        result = shared / f"oracle-{program}.json"
+        with FileLock(str(result) + ".lock"):
+            if not result.exists():
+                result.write_text(json.dumps(_oracle(program)))
+            return json.loads(result.read_text())
+
+    return losses
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("program", ["pattern1", "pattern3", "pattern4"])
-def test_seed_patterns_give_one_devices_losses(program, world):
+def test_seed_patterns_give_one_devices_losses(program, world, seed_oracle):
     out = _compat(HERE / f"{program}.py", world)
-    expected = _oracle_once(program)
+    expected = seed_oracle(program)
     got = _losses(out)
     assert got == pytest.approx(expected, rel=RTOL), (got, expected)
     if program != "pattern1":  # FSDPv2: each process keeps a part of the parameters
@@ -69,9 +88,9 @@ def test_seed_patterns_give_one_devices_losses(program, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_seed_pattern2_full_example_gives_one_devices_losses(world):
+def test_seed_pattern2_full_example_gives_one_devices_losses(world, seed_oracle):
     out = _compat(HERE / "pattern2.py", world)
-    first, last = _oracle_once("pattern2")
+    first, last = seed_oracle("pattern2")
     printed = re.findall(r"Step 0, Loss: ([0-9.]+)", out)
     assert printed == [f"{first:.4f}"], (printed, first)  # the program's own line, printed once
     assert _losses(out) == pytest.approx([last], rel=RTOL)
@@ -241,7 +260,7 @@ def test_without_the_switch_nothing_changes():
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_python_m_form(tmp_path, devices):
+def test_python_m_form(tmp_path, devices, seed_oracle):
     """``python -m torchspmd.compat script.py`` (what torchrun ``-m torchspmd.compat`` runs): one
     process, or with CPU_NUM_DEVICES=2 the program started again once per device, under the
     layer too (torch_xla's own way to say how many devices): Pattern 1, one device's losses."""
@@ -249,4 +268,4 @@ def test_python_m_form(tmp_path, devices):
     r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(HERE / "pattern1.py")], capture_output=True,
                        text=True, env=env, timeout=TIMEOUT, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _losses(r.stdout) == pytest.approx(_oracle_once("pattern1"), rel=RTOL)
+    assert _losses(r.stdout) == pytest.approx(seed_oracle("pattern1"), rel=RTOL)
