@@ -487,7 +487,7 @@ class SharedParamsAllGather(AllGather):
         start = 0
         for fsdp_param, numels, dtypes in zip(fsdp_params, result.param_all_gather_input_numels,
                                               result.param_all_gather_input_dtypes):
-            nbytes = world * numels[0] * torch.empty((), dtype=dtypes[0]).element_size()
+            nbytes = world * numels[0] * dtypes[0].itemsize
             _release(fsdp_param)
             fsdp_param.init_all_gather_outputs(numels, dtypes, world, result.all_gather_output.device)
             storage = fsdp_param.all_gather_outputs[0].untyped_storage()
