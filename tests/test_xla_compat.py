@@ -7,6 +7,7 @@ transformers / trl trainer for the optimum program) on one device, in a process 
 imports torchspmd (tests/xla_compat/oracle.py). fp32, rtol 1e-5."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,12 +59,12 @@ def _oracle_once(*args):
 
 
 @pytest.fixture(scope="session")
-def seed_oracle(tmp_path_factory, worker_id):
+def seed_oracle(tmp_path_factory):
     """The oracle's losses for a seed program, computed once for all the test runners: the
     pytest-xdist workers of a run share the parent of their temporary directories, and a file
     lock there lets one of them compute while the others wait for its result."""
     base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def losses(program: str) -> list[float]:
         result = shared / f"oracle-{program}.json"
