@@ -41,6 +41,11 @@ LOSSES = {
     "cross_entropy_ignore": ("class", lambda x, t: F.cross_entropy(x, t)),
     "cross_entropy_sum": ("class", lambda x, t: F.cross_entropy(x, t, reduction="sum")),
     "cross_entropy_smoothing": ("class", lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1)),
+    # classes on dim 1, a sequence dim after them
+    "cross_entropy_nd": ("seq", lambda x, t: F.cross_entropy(x.transpose(1, 2), t, label_smoothing=0.05)),
+    # an ignore index the loader does not count: the count is reduced by the loss
+    "cross_entropy_other_ignore": ("class", lambda x, t: F.cross_entropy(x, t.clamp(min=0), ignore_index=0)),
+    "cross_entropy_weight": ("class", lambda x, t: F.cross_entropy(x, t, weight=torch.tensor([1.0, 2.0, 0.5, 3.0]))),
     "nll": ("class", lambda x, t: F.nll_loss(F.log_softmax(x, -1), t)),
     "module_ce_view": ("seq", lambda x, t: torch.nn.CrossEntropyLoss()(x.view(-1, x.size(-1)), t.view(-1))),
     "mean": ("real", lambda x, t: (x * t).mean()),
@@ -76,7 +81,7 @@ def _sharded_loss(name, rows):
 # Losses that are one loss operation's output: its sum over the devices was started by the
 # backward pass, so item() waits on no collective of its own.
 REDUCED_IN_BACKWARD = {"mse", "mse_sum", "smooth_l1", "huber", "bce", "cross_entropy_ignore",
-                       "cross_entropy_sum", "nll", "module_ce_view"}
+                       "cross_entropy_sum", "cross_entropy_other_ignore", "nll", "module_ce_view"}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -101,3 +106,4 @@ def test_measured_dtensor_trap_is_fixed(dist):
     ref = F.cross_entropy(x, t).item()
     got = dist(2).run(_sharded_loss, "cross_entropy_ignore", 6)
     assert all(abs(item - ref) < 1e-5 for item, _, _ in got)
+
