@@ -69,11 +69,9 @@ def test_fsdp_tensor_parallel_step(dist):
     # The collectives of one step, as CommDebugMode counted them (the same on every rank):
     assert same_on_every_rank([r[1] for r in results]) == counts
     assert counts == {
-        # FSDP2's all-gather of the one unit (the root) over 'fsdp': once in forward, and once
-        # more in backward, because FSDPv2 passes reshard_after_forward=True to fully_shard
-        # explicitly, so the root frees its parameters after forward too (torch's default,
-        # None, keeps the root's gathered for backward: 1 all-gather).
-        "c10d._allgather_base_": 2,
+        # FSDP2's all-gather of the one unit (the root) over 'fsdp', once: the root keeps its
+        # gathered parameters from forward to backward (FSDPv2's default, FSDP2's too).
+        "c10d._allgather_base_": 1,
         # The row-parallel fc2's output: a pending sum over 'model', all-reduced in forward.
         # No backward all-reduce of the column-parallel fc1's input gradient: fc1's input is
         # the batch, which needs no gradient, so autograd never computes it.
@@ -84,11 +82,10 @@ def test_fsdp_tensor_parallel_step(dist):
         # the loss's backward starts the all-reduce of the 4-byte scalar, item() waits on it.
         "c10d.allreduce_": 1,
     }
-    assert total == 5
+    assert total == 4
     unit = 2 * 4 * (96 + 6 + 96 + 8)  # the unit's gathered parameters: 2 shards of 206 fp32
     assert same_on_every_rank([r[3] for r in results]) == sorted([
         ("c10d._allgather_base_", "forward", "fsdp", 2, 1, unit),
-        ("c10d._allgather_base_", "backward", "fsdp", 2, 1, unit),
         ("c10d_functional.all_reduce", "forward", "model", 2, 1, 3 * 16 * 4),  # this shard's 3 rows of fc2
         ("c10d._reduce_scatter_base_", "backward", "fsdp", 2, 1, unit),
         ("c10d.allreduce_", "backward", "fsdp", 2, 1, 4),

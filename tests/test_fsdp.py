@@ -296,6 +296,42 @@ def test_each_rank_holds_a_quarter_of_model_state(dist):
         assert states <= 2 * (param_bytes / 4 + padding)  # Adam: exp_avg and exp_avg_sq
 
 
+def _gathered_units(reshard_after_forward):
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = _mesh("auto")
+    options = {} if reshard_after_forward == "default" else {"reshard_after_forward": reshard_after_forward}
+    model = ts.FSDPv2(_model(2), mesh=mesh, auto_wrap_policy=_policy(), **options)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first, then the layers
+    assert units[0] is model.module and len(units) == 3
+    x = ts.mark_sharding(torch.randint(0, VOCAB, (6, 8)), mesh, ("fsdp", None))
+
+    def gathered():
+        return [u._get_fsdp_state()._fsdp_param_group.is_unsharded for u in units]
+
+    out = model(x)
+    after_forward = gathered()
+    _loss(out, x).backward()
+    after_backward = gathered()
+    with torch.no_grad():
+        model(x)
+    after_eval = gathered()
+    return after_forward, after_backward, after_eval
+
+
+@pytest.mark.parametrize("reshard_after_forward,root_kept", [("default", True), (True, False), (False, True)])
+def test_the_root_keeps_its_gathered_parameters_for_backward(dist, reshard_after_forward, root_kept):
+    # By default (FSDP2's own default) the outermost unit's parameters, which backward needs
+    # again at once, stay gathered from forward to backward: one all-gather of them per step,
+    # not two; a forward without gradients frees them. True: the root is freed too; False:
+    # no unit is.
+    layers_kept = reshard_after_forward is False
+    for after_forward, after_backward, after_eval in dist(2).run(_gathered_units, reshard_after_forward):
+        assert after_forward == [root_kept, layers_kept, layers_kept]
+        assert after_backward == [False, False, False]
+        assert after_eval == [reshard_after_forward is False, layers_kept, layers_kept]
+
+
 def _clip_and_state():
     mesh = _mesh("auto")
     model = ts.FSDPv2(_model(2), mesh=mesh, auto_wrap_policy=_policy())

@@ -537,14 +537,14 @@ def _tensors(obj) -> list[torch.Tensor]:
 def fsdpv2(cls, module: nn.Module, mesh=None, shard_output: Callable | None = None,
            auto_wrap_policy: Callable | None = None, auto_wrapper_callable: Callable | None = None,
            extra_data_axis: str | None = None, *, mixed_precision: Any = None,
-           reshard_after_forward: bool | int = True, cpu_offload: bool = False, collectives: str = "auto",
+           reshard_after_forward: bool | int | None = None, cpu_offload: bool = False, collectives: str = "auto",
            compile: bool | dict = False):
     if cpu_offload:
         raise SpmdError("FSDPv2(cpu_offload=True) is not available on the XLA backend: torch_xla's FSDPv2 keeps "
                         "the shards in device memory; use the native engine for host offload")
-    if reshard_after_forward is not True:
+    if reshard_after_forward is not None and reshard_after_forward is not True:
         raise SpmdError(f"FSDPv2(reshard_after_forward={reshard_after_forward!r}) is not available on the XLA "
-                        f"backend: the XLA compiler decides when gathered parameters are freed; leave it True")
+                        f"backend: the XLA compiler decides when gathered parameters are freed; leave it unset")
     if collectives != "auto":
         raise SpmdError(f"FSDPv2(collectives={collectives!r}) is not available on the XLA backend: GSPMD inserts "
                         f"its own collectives; leave it 'auto'")

@@ -90,7 +90,9 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
     Options torch_xla lacks (keyword only):
         mixed_precision: ``'bf16'`` (bf16 compute, fp32 master weights and gradient
             reduction), a dtype, or a ``MixedPrecisionPolicy``.
-        reshard_after_forward: free gathered parameters after forward (default True).
+        reshard_after_forward: free gathered parameters after forward. Default ``None``:
+            every unit but the outermost, whose parameters backward needs again at once
+            (FSDP2's default); ``True``: the outermost too; ``False``: none.
         cpu_offload: keep the shards (and their gradients and optimizer state) in CPU memory.
         collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
             where they are faster; FSDP2's own on NCCL), ``"native"`` or ``"allreduce"``
@@ -115,7 +117,7 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         extra_data_axis: str | None = None,
         *,
         mixed_precision: Any = None,
-        reshard_after_forward: bool | int = True,
+        reshard_after_forward: bool | int | None = None,
         cpu_offload: bool = False,
         collectives: str = "auto",
         compile: bool | dict = False,
@@ -182,6 +184,9 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         self._shard_output = shard_output
         self._is_root = True
         self._fp32_outputs = mixed_precision is not None  # losses are computed in full precision
+        # FSDP2 keeps the root's gathered parameters after forward for the backward that
+        # follows; a forward without gradients has none: freed then (eval loops keep 1/n).
+        self._reshard_after_eval = reshard_after_forward is None
         for sub in module.modules():
             if isinstance(sub, SpmdFullyShardedDataParallel):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
@@ -208,6 +213,8 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
             # about in-place ops on it, but the output goes on to become a global DTensor here.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             output = self._orig_module(*args, **kwargs)
+            if self._reshard_after_eval and not torch.is_grad_enabled():
+                self._orig_module.reshard()
         if self._fp32_outputs:
             from torchspmd._boundary import _map
 
@@ -299,7 +306,7 @@ def _shard_unit(module: nn.Module, mesh: Mesh, data_dims: list[int], fsdp_mesh, 
     _sum_reductions(module)
     from torchspmd.fsdp.collectives import install
 
-    install(module, collectives, one_group=isinstance(reshard_after_forward, bool))
+    install(module, collectives, one_group=reshard_after_forward is None or isinstance(reshard_after_forward, bool))
 
 
 def _compile_units(root: nn.Module, options: dict) -> None:
@@ -314,7 +321,7 @@ def _compile_units(root: nn.Module, options: dict) -> None:
 
 def shard_in_place(module: nn.Module, mesh: Mesh | None = None, shard_output: Callable | None = None,
                    extra_data_axis: str | None = None, *, mixed_precision: Any = None,
-                   reshard_after_forward: bool | int = True, cpu_offload: bool = False,
+                   reshard_after_forward: bool | int | None = None, cpu_offload: bool = False,
                    collectives: str = "auto", strict_sharding: bool = False) -> nn.Module:
     """An ``auto_wrapper_callable`` making each auto-wrapped module an FSDPv2 unit without
     a wrapper module around it: the model keeps its module names (for libraries that
