@@ -27,8 +27,10 @@ element, optimizer with ``k`` fp32 states per parameter):
   (the head's log-softmax included); per token, times ``b * seq`` tokens (and the
   layers). With checkpointing, each layer keeps only its input, and one layer is
   recomputed at a time;
-- the logits: the fp32 logits the caller holds through backward and their gradient,
-  ``2 * b * seq * vocab * 4``.
+- the loss: the fp32 logits the caller holds through backward, their gradient, and the
+  cross-entropy's backward buffers of the same size (the gradient of its log-softmax, the
+  one being computed), which meet the root unit's gathered parameters (kept from forward
+  to backward): ``4 * b * seq * vocab * 4``.
 
 The test suite checks the FSDPv2 prediction against the measured peak of real training
 runs on CPU processes (within 15%).
@@ -252,8 +254,9 @@ def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str =
     P = facts.params
     acts = tokens * (facts.layers * facts.act_layer + facts.act_root)
     acts_ckpt = tokens * (facts.layers * facts.layer_input + facts.act_layer + facts.act_root)
-    # The fp32 logits the caller holds through backward, and their gradient.
-    loss_grad = 2 * tokens * facts.vocab * 4
+    # The fp32 logits the caller holds through backward, their gradient, and the
+    # cross-entropy's backward buffers of that size (met by the root's gathered parameters).
+    loss_grad = 4 * tokens * facts.vocab * 4
     unit = max(facts.layer_params, facts.root_params)
     # FSDPv2: the root unit stays gathered through backward; a layer computing and the next
     # one gathered; the all-gather output buffer and the reduce-scatter input of one unit.
@@ -268,7 +271,7 @@ def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str =
         if start >= end:
             held = {"accumulated gradients": grads} if grad_accum > 1 else {}
             return {"parameters + optimizer": params_opt, **held, "gathered + buffers": fixed,
-                    "activations": activations, "logits + their gradient": loss_grad, "total": start}
+                    "activations": activations, "logits, loss buffers": loss_grad, "total": start}
         return {"parameters + optimizer": params_opt, "gradients": grads, "gathered + buffers": fixed,
                 "total": end}
 
