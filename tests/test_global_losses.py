@@ -48,6 +48,12 @@ LOSSES = {
     "cross_entropy_weight": ("class", lambda x, t: F.cross_entropy(x, t, weight=torch.tensor([1.0, 2.0, 0.5, 3.0]))),
     "nll": ("class", lambda x, t: F.nll_loss(F.log_softmax(x, -1), t)),
     "module_ce_view": ("seq", lambda x, t: torch.nn.CrossEntropyLoss()(x.view(-1, x.size(-1)), t.view(-1))),
+    # a loss scaled by a number (gradient accumulation): its item() uses the source's sum
+    "cross_entropy_scaled": ("class", lambda x, t: F.cross_entropy(x, t) / 3),
+    "mse_scaled_twice": ("real", lambda x, t: 0.7 * (F.mse_loss(x, t) * 3)),
+    # not a scaling: reduced where it is computed; a scaled loss changed in place: by item()
+    "cross_entropy_plus": ("class", lambda x, t: F.cross_entropy(x, t) + 0.1),
+    "cross_entropy_scaled_in_place": ("class", lambda x, t: (F.cross_entropy(x, t) / 3).mul_(2)),
     "mean": ("real", lambda x, t: (x * t).mean()),
     "mean_dim": ("real", lambda x, t: (x * t).mean(dim=0).pow(2).sum()),
     "mean_dim1": ("real", lambda x, t: (x * t).mean(dim=1).pow(2).mean()),
@@ -73,15 +79,19 @@ def _sharded_loss(name, rows):
     torch.distributed.all_reduce = counting
     try:
         item = loss.item()
+        detached = loss.detach().item()
     finally:
         torch.distributed.all_reduce = original
+    assert detached == item, (detached, item)
     return item, xd.grad.full_tensor(), sum(blocking)
 
 
-# Losses that are one loss operation's output: its sum over the devices was started by the
-# backward pass, so item() waits on no collective of its own.
+# Losses that are one loss operation's output (or it times numbers): its sum over the
+# devices was started by the backward pass, so item() (of the loss and of loss.detach())
+# waits on no collective of its own.
 REDUCED_IN_BACKWARD = {"mse", "mse_sum", "smooth_l1", "huber", "bce", "cross_entropy_ignore",
-                       "cross_entropy_sum", "cross_entropy_other_ignore", "nll", "module_ce_view"}
+                       "cross_entropy_sum", "cross_entropy_other_ignore", "nll", "module_ce_view",
+                       "cross_entropy_scaled", "mse_scaled_twice"}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

@@ -176,13 +176,60 @@ def start(keeper: Any) -> None:
         sums.clear()
 
 
-def reduced(loss: DTensor) -> torch.Tensor | None:
-    """The loss's sum over the processes when its reduction was started (and the loss is
-    unchanged since it was computed); None otherwise: ``item()`` reduces it at once."""
-    s = getattr(loss, _SUM, None)
-    if s is None or s.value is None or _versions(loss) != s.versions:
+class _Derived:
+    """The pending sum of a loss scaled by a number (``loss / accumulation_steps``) or
+    detached: the scaled sum of its source's pending sum, so that the source's reduction,
+    started by the backward pass, serves ``item()`` of both."""
+
+    __slots__ = ("source", "scale", "divide", "versions")
+
+    def __init__(self, source, scale, divide: bool, out: DTensor):
+        self.source, self.scale, self.divide, self.versions = source, scale, divide, _versions(out)
+
+
+# torch functions whose result is a number times their first argument (a scalar loss)
+_SCALINGS = {torch.Tensor.__truediv__: True, torch.Tensor.div: True, torch.div: True,
+             torch.Tensor.__mul__: False, torch.Tensor.__rmul__: False, torch.Tensor.mul: False, torch.mul: False,
+             torch.Tensor.detach: False}
+
+
+def derive(func, args: tuple, kwargs: dict, out: Any) -> None:
+    """After ``func(*args, **kwargs)`` gave ``out``: when it scaled or detached a loss whose
+    sum is pending, ``out``'s sum is that one scaled (no reduction of its own)."""
+    loss = args[0]
+    source = getattr(loss, _SUM, None)
+    if source is None or kwargs or not isinstance(out, DTensor) or out.ndim != 0 \
+            or tuple(out.placements) != tuple(loss.placements) or torch.compiler.is_compiling():
+        return
+    if func is torch.Tensor.detach:
+        scale = None
+    elif len(args) == 2 and type(args[1]) in (int, float):
+        scale = args[1]
+    else:
+        return
+    if _versions(loss) != source.versions:
+        return
+    setattr(out, _SUM, _Derived(source, scale, _SCALINGS[func], out))
+
+
+def _source_value(s) -> torch.Tensor | None:
+    if isinstance(s, _Derived):
+        value = _source_value(s.source)
+        if value is None or s.scale is None:
+            return value
+        return value / s.scale if s.divide else value * s.scale
+    if s.value is None:
         return None
     if s.work is not None:
         s.work.wait()
         s.work = None
     return s.value
+
+
+def reduced(loss: DTensor) -> torch.Tensor | None:
+    """The loss's sum over the processes when its reduction was started (and the loss is
+    unchanged since it was computed); None otherwise: ``item()`` reduces it at once."""
+    s = getattr(loss, _SUM, None)
+    if s is None or _versions(loss) != s.versions:
+        return None
+    return _source_value(s)
