@@ -29,6 +29,12 @@ def _inputs(kind, rows):
     return x, torch.randn(rows, 4, generator=g)
 
 
+def _scaled_then_changed(loss):
+    scaled = loss / 3
+    loss.mul_(2)  # (the division's backward does not need it)
+    return scaled
+
+
 LOSSES = {
     "mse": ("real", lambda x, t: F.mse_loss(x, t)),
     "mse_sum": ("real", lambda x, t: F.mse_loss(x, t, reduction="sum")),
@@ -54,6 +60,11 @@ LOSSES = {
     # not a scaling: reduced where it is computed; a scaled loss changed in place: by item()
     "cross_entropy_plus": ("class", lambda x, t: F.cross_entropy(x, t) + 0.1),
     "cross_entropy_scaled_in_place": ("class", lambda x, t: (F.cross_entropy(x, t) / 3).mul_(2)),
+    # scaled, then its source changed in place: the scaled loss keeps the value it was made from
+    "cross_entropy_scaled_source_changed": ("class", lambda x, t: _scaled_then_changed(F.cross_entropy(x, t))),
+    # keyword arguments only; a scale that is not a Python number
+    "mse_scaled_by_keywords": ("real", lambda x, t: torch.mul(input=F.mse_loss(x, t), other=0.5)),
+    "mse_scaled_by_tensor": ("real", lambda x, t: F.mse_loss(x, t) * torch.tensor(0.5)),
     "mean": ("real", lambda x, t: (x * t).mean()),
     "mean_dim": ("real", lambda x, t: (x * t).mean(dim=0).pow(2).sum()),
     "mean_dim1": ("real", lambda x, t: (x * t).mean(dim=1).pow(2).mean()),
@@ -91,7 +102,7 @@ def _sharded_loss(name, rows):
 # waits on no collective of its own.
 REDUCED_IN_BACKWARD = {"mse", "mse_sum", "smooth_l1", "huber", "bce", "cross_entropy_ignore",
                        "cross_entropy_sum", "cross_entropy_other_ignore", "nll", "module_ce_view",
-                       "cross_entropy_scaled", "mse_scaled_twice"}
+                       "cross_entropy_scaled", "mse_scaled_twice", "cross_entropy_scaled_source_changed"}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

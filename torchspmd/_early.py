@@ -22,6 +22,7 @@ which order), never on timing, so every process takes it alike.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -130,13 +131,15 @@ class _Sum:
     __slots__ = ("local", "versions", "group", "work", "value")
 
     def __init__(self, loss: DTensor, group):
-        self.local, self.versions, self.group = loss._local_tensor, _versions(loss), group
+        # The value as computed (a scalar): a loss scaled from it keeps meaning this value
+        # even if the loss itself is changed in place later.
+        self.local, self.versions, self.group = loss._local_tensor.detach().clone(), _versions(loss), group
         self.work = None
         self.value: torch.Tensor | None = None
 
     def start(self) -> None:
         if self.value is None:
-            self.value = self.local.detach().clone()
+            self.value = self.local
             self.work = dist.all_reduce(self.value, group=self.group, async_op=True)
 
 
@@ -203,8 +206,8 @@ def derive(func, args: tuple, kwargs: dict, out: Any) -> None:
         return
     if func is torch.Tensor.detach:
         scale = None
-    elif len(args) == 2 and type(args[1]) in (int, float):
-        scale = args[1]
+    elif len(args) == 2 and type(args[1]) in (int, float) and args[1] != 0 and math.isfinite(args[1]):
+        scale = args[1]  # (a zero or non-finite scale: the sum of scaled parts may differ, e.g. inf * 0)
     else:
         return
     if _versions(loss) != source.versions:

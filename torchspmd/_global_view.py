@@ -95,7 +95,7 @@ class _ReplicateUnannotated(TorchFunctionMode):
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        if func in _early._SCALINGS and isinstance(args[0], DTensor):
+        if args and func in _early._SCALINGS and isinstance(args[0], DTensor):
             _early.derive(func, args, kwargs, out)  # loss / accumulation_steps: item() of the loss's pending sum
         elif func is torch.nn.functional.embedding and isinstance(out, DTensor) and \
                 any(p.is_partial() for p in out.placements):
