@@ -10,13 +10,46 @@ import time
 from pathlib import Path
 
 
-def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
-    """Train on every batch of ``loader``; return the seconds of each step after ``warmup``."""
+class CpuUse:
+    """This process's CPU use over the timed steps: user and system seconds and context
+    switches (voluntary: it waited; involuntary: the scheduler took its core away), summed
+    over the steps passed to :meth:`add` (``getrusage(RUSAGE_SELF)``: all its threads)."""
+
+    def __init__(self):
+        self.user = self.sys = 0.0
+        self.voluntary = self.involuntary = 0
+        self.steps = 0
+
+    @staticmethod
+    def now():
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw
+
+    def add(self, before, after) -> None:
+        self.user += after[0] - before[0]
+        self.sys += after[1] - before[1]
+        self.voluntary += after[2] - before[2]
+        self.involuntary += after[3] - before[3]
+        self.steps += 1
+
+    def per_step(self) -> dict:
+        """Per timed step: ``cpu_user_s``, ``cpu_sys_s``, ``csw_voluntary``, ``csw_involuntary``."""
+        n = max(1, self.steps)
+        return {"cpu_user_s": self.user / n, "cpu_sys_s": self.sys / n,
+                "csw_voluntary": self.voluntary / n, "csw_involuntary": self.involuntary / n}
+
+
+def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None = None) -> list[float]:
+    """Train on every batch of ``loader``; return the seconds of each step after ``warmup``
+    (and add the timed steps' CPU use to ``cpu``)."""
     import torch.nn.functional as F
 
     times = []
     for step, (x, y) in enumerate(loader):
         t0 = time.perf_counter()
+        c0 = CpuUse.now()
         out = model(x)
         logits = out if hasattr(out, "reshape") else out["logits"]  # a transformers model returns an output object
         loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
@@ -26,6 +59,8 @@ def timed_steps(model, opt, loader, vocab: int, warmup: int) -> list[float]:
         loss.item()  # wait for the step to finish
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.add(c0, CpuUse.now())
     return times
 
 

@@ -39,7 +39,9 @@ norm both must reproduce. Writes ``bench/results/suite_2d.md`` and ``suite_2d.js
 
 A run's tokens/s is the median of its timed steps after warm-up; peak RSS is rank 0's
 (the processes are alike); model state is the bytes of parameters, gradients and
-optimizer state one process holds. Every configuration runs ``--repeats`` times: each
+optimizer state one process holds; CPU use is rank 0's user and system seconds and context
+switches over the timed steps (``getrusage``), times the processes (torch_xla's one process
+as it is), with the utilisation of the cores it implies (a table after each model's). Every configuration runs ``--repeats`` times: each
 round runs all of them, in an order rotated by one each round, so that a slow stretch of
 this shared machine falls on every strategy alike. The tables give the median and the
 min-max over the runs, and ratios per round (this round's run against this round's
@@ -70,7 +72,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import per_process_loader, run_measured, run_worker, timed_steps, write_result  # noqa: E402
+from _common import CpuUse, per_process_loader, run_measured, run_worker, timed_steps, write_result  # noqa: E402
 
 SEED = dict(vocab_size=3200, dim=1024, num_layers=8, num_heads=8, intermediate_size=4096, max_seq_len=64)
 SMALL = dict(vocab_size=3200, dim=384, num_layers=4, num_heads=6, intermediate_size=1536, max_seq_len=64)
@@ -84,6 +86,10 @@ NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "f
 TWO_D = ["2d-fsdpv2", "2d-tp-fsdp2"]
 NAMES_2D = {"2d-fsdpv2": "torchspmd FSDPv2, weights annotated over 'model'",
             "2d-tp-fsdp2": "parallelize_module + fully_shard (torchtitan style)", "2d-single": "one process"}
+
+
+#: What a worker reports of its CPU use per timed step (``_common.CpuUse``).
+CPU_KEYS = ("cpu_user_s", "cpu_sys_s", "csw_voluntary", "csw_involuntary")
 
 
 def _xla_python() -> str | None:
@@ -165,9 +171,11 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # PyTorch's fused CPU Adam kernel
-    times = timed_steps(model, opt, loader, vocab, warmup)
+    cpu = CpuUse()
+    times = timed_steps(model, opt, loader, vocab, warmup, cpu)
     if rank == 0:
-        write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30)
+        write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30,
+                     **cpu.per_step())
 
 
 def worker_2d(strategy: str, steps: int, warmup: int, result: str) -> None:
@@ -396,9 +404,9 @@ def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, stra
     import torch.nn.functional as F
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
+    times, cpu = [], CpuUse()
     for step, (x, y) in enumerate(loader):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), CpuUse.now()
         with in_step():
             out = model(x)
             logits = out if isinstance(out, torch.Tensor) else out.logits
@@ -409,8 +417,9 @@ def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, stra
         loss.item()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            cpu.add(c0, CpuUse.now())
     state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 / n  # params, grads, 2 Adam moments
-    write_result(result, strategy, BATCH * SEQ, times, state_gb=state / 2**30)
+    write_result(result, strategy, BATCH * SEQ, times, state_gb=state / 2**30, **cpu.per_step())
 
 
 def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
@@ -492,6 +501,22 @@ def _table(rows: list[dict], title: str) -> list[str]:
             if ref and r.get("peak_pss_gb_runs") and ref.get("peak_pss_gb_runs"):
                 mem = statistics.median(r["peak_pss_gb_runs"]) / statistics.median(ref["peak_pss_gb_runs"])
                 lines[-1] = lines[-1][:-1] + f"; peak memory per device {mem:.2f}x torch_xla's."
+    cpu = [r for r in rows if r.get("cpu_s_runs")]
+    if cpu:
+        lines += ["", "CPU use per timed step (`getrusage` over the timed steps: rank 0's times the processes, which "
+                  "do the same work; torch_xla's one process as it is). Utilisation: CPU seconds per step / (step "
+                  "seconds x cores); work that grows with the processes at the same utilisation is extra work, not "
+                  "waiting.", "",
+                  "| strategy | processes | CPU s per step, all processes (min-max) | system share | utilisation "
+                  "(min-max) | context switches per process per step, voluntary / involuntary |",
+                  "|---|---|---|---|---|---|"]
+        for r in cpu:
+            procs = f"1 ({r['nproc']} devices)" if r["strategy"] in XLA else str(r["nproc"])
+            c, u = r["cpu_s_runs"], r["utilisation_runs"]
+            share = r["cpu_sys_s"] / max(1e-9, r["cpu_user_s"] + r["cpu_sys_s"])
+            lines.append(f"| {NAMES[r['strategy']]} | {procs} | {statistics.median(c):.2f} ({_spread(c, '.2f')}) | "
+                         f"{share:.0%} | {statistics.median(u):.2f} ({_spread(u, '.2f')}) | "
+                         f"{r['csw_voluntary']:.0f} / {r['csw_involuntary']:.0f} |")
     return lines + [""]
 
 
@@ -617,6 +642,14 @@ def main() -> None:
         row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_runs"]) if row["vs_fsdp2_runs"] else None
         if row["peak_pss_gb_runs"]:
             row["peak_pss_gb"] = statistics.median(row["peak_pss_gb_runs"])
+        for key in CPU_KEYS:  # rank 0's CPU use per timed step (all of torch_xla's one process)
+            if all(key in x for x in done):
+                row[key] = statistics.median(x[key] for x in done)
+        if all("cpu_user_s" in x for x in done):  # all the run's processes (they are alike): rank 0's x processes
+            per = 1 if strategy in XLA else nproc
+            row["cpu_s_runs"] = [(x["cpu_user_s"] + x["cpu_sys_s"]) * per for x in done]
+            row["utilisation_runs"] = [(x["cpu_user_s"] + x["cpu_sys_s"]) * per * x["tokens_per_s"]
+                                       / (BATCH * SEQ) / (os.cpu_count() or 1) for x in done]
         results.setdefault(model, []).append(row)
     scaling = []
     if not a.no_scaling:
