@@ -433,3 +433,34 @@ def test_preloading_stops_where_the_program_could_change_what_an_import_does(tmp
     r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(bad)], TORCHSPMD_START_METHOD="fork")
     assert r.returncode == 1 and "not reached" not in r.stdout, r.stdout + r.stderr
     assert r.stderr.count(line) >= 2, r.stderr  # each worker's traceback ends with Python's own line
+
+
+def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack():
+    # torch's dynamic rendezvous names each event by inspect.stack() (0.1-0.2 s a call with
+    # torch and transformers imported, nine calls a launch); the launcher's replacement must
+    # give the same names
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    from torchspmd._launch import _quick_rendezvous_names
+
+    def torchs(depth=2):  # torch's definition, as of 2.9-2.13
+        if len(inspect.stack()) > depth:
+            return inspect.stack()[depth].function
+        return "no_method_name"
+
+    _quick_rendezvous_names()
+    _quick_rendezvous_names()  # twice: wrapped once
+    quick = rdzv.get_method_name
+    assert getattr(quick, "_torchspmd_quick", False) and quick is not torchs
+
+    def record(name_of):  # as DynamicRendezvousHandler._record calls it: from the method it records
+        return name_of()
+
+    def next_rendezvous(name_of):
+        return record(name_of)
+
+    assert next_rendezvous(quick) == next_rendezvous(torchs) == "next_rendezvous"
+    for depth in (1, 3, len(inspect.stack()) - 1, len(inspect.stack()) + 1, 10_000):
+        assert quick(depth) == torchs(depth), depth
