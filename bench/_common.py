@@ -13,10 +13,11 @@ from pathlib import Path
 class CpuUse:
     """This process's CPU use over the timed steps: user and system seconds and context
     switches (voluntary: it waited; involuntary: the scheduler took its core away), summed
-    over the steps passed to :meth:`add` (``getrusage(RUSAGE_SELF)``: all its threads)."""
+    over the steps passed to :meth:`add` (``getrusage(RUSAGE_SELF)``: all its threads), and
+    the wall time of those same steps."""
 
     def __init__(self):
-        self.user = self.sys = 0.0
+        self.user = self.sys = self.wall = 0.0
         self.voluntary = self.involuntary = 0
         self.steps = 0
 
@@ -25,19 +26,22 @@ class CpuUse:
         import resource
 
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw
+        return r.ru_utime, r.ru_stime, r.ru_nvcsw, r.ru_nivcsw, time.perf_counter()
 
     def add(self, before, after) -> None:
         self.user += after[0] - before[0]
         self.sys += after[1] - before[1]
         self.voluntary += after[2] - before[2]
         self.involuntary += after[3] - before[3]
+        self.wall += after[4] - before[4]
         self.steps += 1
 
     def per_step(self) -> dict:
-        """Per timed step: ``cpu_user_s``, ``cpu_sys_s``, ``csw_voluntary``, ``csw_involuntary``."""
+        """Means per timed step: ``cpu_user_s``, ``cpu_sys_s``, ``csw_voluntary``,
+        ``csw_involuntary`` and ``cpu_wall_s`` (the steps' wall time, to set the CPU time against:
+        the tokens/s come from the median step)."""
         n = max(1, self.steps)
-        return {"cpu_user_s": self.user / n, "cpu_sys_s": self.sys / n,
+        return {"cpu_user_s": self.user / n, "cpu_sys_s": self.sys / n, "cpu_wall_s": self.wall / n,
                 "csw_voluntary": self.voluntary / n, "csw_involuntary": self.involuntary / n}
 
 

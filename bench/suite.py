@@ -503,10 +503,10 @@ def _table(rows: list[dict], title: str) -> list[str]:
                 lines[-1] = lines[-1][:-1] + f"; peak memory per device {mem:.2f}x torch_xla's."
     cpu = [r for r in rows if r.get("cpu_s_runs")]
     if cpu:
-        lines += ["", "CPU use per timed step (`getrusage` over the timed steps: rank 0's times the processes, which "
-                  "do the same work; torch_xla's one process as it is). Utilisation: CPU seconds per step / (step "
-                  "seconds x cores); work that grows with the processes at the same utilisation is extra work, not "
-                  "waiting.", "",
+        lines += ["", "CPU use per timed step (`getrusage` over the timed steps, mean per step: rank 0's times the "
+                  "processes, which do the same work (rank 0 also serves the process group's store); torch_xla's one "
+                  "process as it is). Utilisation: those CPU seconds / (the same steps' wall seconds x cores). CPU "
+                  "time counts busy-waiting as work: a process spinning in a wait would show as work here.", "",
                   "| strategy | processes | CPU s per step, all processes (min-max) | system share | utilisation "
                   "(min-max) | context switches per process per step, voluntary / involuntary |",
                   "|---|---|---|---|---|---|"]
@@ -517,6 +517,15 @@ def _table(rows: list[dict], title: str) -> list[str]:
             lines.append(f"| {NAMES[r['strategy']]} | {procs} | {statistics.median(c):.2f} ({_spread(c, '.2f')}) | "
                          f"{share:.0%} | {statistics.median(u):.2f} ({_spread(u, '.2f')}) | "
                          f"{r['csw_voluntary']:.0f} / {r['csw_involuntary']:.0f} |")
+        lines.append("")
+        for r in cpu:  # the growth with the device count, taken within each round
+            more = next((o for o in cpu if o["strategy"] == r["strategy"] and o["nproc"] > r["nproc"]), None)
+            if more and r.get("cpu_s_rounds") and more.get("cpu_s_rounds"):
+                g = [b / a for a, b in zip(r["cpu_s_rounds"], more["cpu_s_rounds"]) if a and b]
+                if g:
+                    lines.append(f"- {NAMES[r['strategy']]}: CPU seconds per step at {more['nproc']} devices / at "
+                                 f"{r['nproc']}, per round: median {statistics.median(g):.2f}x, min-max "
+                                 f"{_spread(g, '.2f') or f'{g[0]:.2f}'}.")
     return lines + [""]
 
 
@@ -648,8 +657,11 @@ def main() -> None:
         if all("cpu_user_s" in x for x in done):  # all the run's processes (they are alike): rank 0's x processes
             per = 1 if strategy in XLA else nproc
             row["cpu_s_runs"] = [(x["cpu_user_s"] + x["cpu_sys_s"]) * per for x in done]
-            row["utilisation_runs"] = [(x["cpu_user_s"] + x["cpu_sys_s"]) * per * x["tokens_per_s"]
-                                       / (BATCH * SEQ) / (os.cpu_count() or 1) for x in done]
+            row["cpu_s_rounds"] = [None if x is None else (x["cpu_user_s"] + x["cpu_sys_s"]) * per for x in rs]
+            # the CPU time over the wall time of the same steps (older results: the median step's)
+            row["utilisation_runs"] = [(x["cpu_user_s"] + x["cpu_sys_s"]) * per
+                                       / x.get("cpu_wall_s", BATCH * SEQ / x["tokens_per_s"])
+                                       / (os.cpu_count() or 1) for x in done]
         results.setdefault(model, []).append(row)
     scaling = []
     if not a.no_scaling:

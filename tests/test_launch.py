@@ -435,25 +435,23 @@ def test_preloading_stops_where_the_program_could_change_what_an_import_does(tmp
     assert r.stderr.count(line) >= 2, r.stderr  # each worker's traceback ends with Python's own line
 
 
-def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack():
-    # torch's dynamic rendezvous names each event by inspect.stack() (0.1-0.2 s a call with
-    # torch and transformers imported, nine calls a launch); the launcher's replacement must
-    # give the same names
+def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack(monkeypatch):
+    # torch's dynamic rendezvous names each event by inspect.stack() (0.18 s a call here with
+    # torch and transformers imported, nine events a launch); the launcher's replacement must
+    # give the names torch's own definition gives
     import inspect
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
     from torchspmd._launch import _quick_rendezvous_names
 
-    def torchs(depth=2):  # torch's definition, as of 2.9-2.13
-        if len(inspect.stack()) > depth:
-            return inspect.stack()[depth].function
-        return "no_method_name"
-
+    torchs = rdzv.get_method_name
+    torchs = getattr(torchs, "_torchspmd_original", torchs)  # this test process may have launched already
+    monkeypatch.setattr(rdzv, "get_method_name", torchs)
     _quick_rendezvous_names()
-    _quick_rendezvous_names()  # twice: wrapped once
     quick = rdzv.get_method_name
-    assert getattr(quick, "_torchspmd_quick", False) and quick is not torchs
+    _quick_rendezvous_names()  # twice: replaced once
+    assert rdzv.get_method_name is quick and getattr(quick, "_torchspmd_quick", False)
 
     def record(name_of):  # as DynamicRendezvousHandler._record calls it: from the method it records
         return name_of()
@@ -462,5 +460,14 @@ def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack():
         return record(name_of)
 
     assert next_rendezvous(quick) == next_rendezvous(torchs) == "next_rendezvous"
-    for depth in (1, 3, len(inspect.stack()) - 1, len(inspect.stack()) + 1, 10_000):
+    deepest = len(inspect.stack())  # from inside get_method_name: one frame more than here
+    for depth in (0, 1, 3, deepest - 1, deepest, deepest + 1, 10_000, -1, -2):
         assert quick(depth) == torchs(depth), depth
+
+    # a definition that is not torch's (another torch's) is left alone
+    def other(depth=2):
+        return "elsewhere"
+
+    monkeypatch.setattr(rdzv, "get_method_name", other)
+    _quick_rendezvous_names()
+    assert rdzv.get_method_name is other

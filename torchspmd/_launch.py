@@ -558,26 +558,33 @@ def _quick_rendezvous_names() -> None:
     """Make torch's dynamic rendezvous name its events without ``inspect.stack()``.
 
     ``dynamic_rendezvous.get_method_name`` (torch 2.9-2.13) calls ``inspect.stack()`` twice
-    for each event it records, nine times in a launch: ``inspect.stack`` looks every frame's
-    module up in ``sys.modules`` and reads its source lines, 0.18 s a call here with torch,
-    torch._dynamo and transformers imported, about 1.6 s of every launch before any worker
-    starts. The replacement gives the same name (the function ``depth`` frames up) from the
-    frame itself."""
+    for each event it records, nine events in a launch: ``inspect.stack`` looks every frame's
+    module up in ``sys.modules`` and reads its source lines; one ``get_method_name`` call took
+    0.18 s here with torch, torch._dynamo and transformers imported, all before any worker
+    starts. The replacement gives the same name (the function ``depth`` frames up; a
+    negative depth, which torch never passes, is left to torch's) from the frame itself. It
+    replaces only torch's definition as described (its code calls ``inspect.stack``): a
+    changed one is left alone."""
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
     except ImportError:  # nothing to speed up
         return
-    current = getattr(rdzv, "get_method_name", None)
-    if current is None or getattr(current, "_torchspmd_quick", False):
+    original = getattr(rdzv, "get_method_name", None)
+    code = getattr(original, "__code__", None)
+    if (original is None or getattr(original, "_torchspmd_quick", False) or code is None
+            or not {"stack", "function"} <= set(code.co_names) or original.__defaults__ != (2,)):
         return
 
     def get_method_name(depth: int = 2) -> str:
+        if depth < 0:
+            return original(depth)
         try:
             return sys._getframe(depth).f_code.co_name
         except ValueError:  # the stack is not that deep
             return "no_method_name"
 
     get_method_name._torchspmd_quick = True  # type: ignore[attr-defined]
+    get_method_name._torchspmd_original = original  # type: ignore[attr-defined]
     rdzv.get_method_name = get_method_name
 
 
