@@ -174,6 +174,7 @@ def run_worker(script: str, args: list[str], nproc: int, result: Path, env: dict
     cores = os.cpu_count() or 1
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)), **(env or {}))
     env.update(_allocator_env(env))
+    result.parent.mkdir(parents=True, exist_ok=True)  # the worker writes there
     cmd = [script, *args, "--result", str(result)]
     if nproc == 1:
         cmd = [sys.executable, *cmd]
