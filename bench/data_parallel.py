@@ -1,6 +1,7 @@
 """Data parallelism on this machine: one process, DDP, ts.replicate, and Pattern 1.
 
     python bench/data_parallel.py [--nproc 2 4] [--repeats 3] [--steps 12] [--warmup 3]
+                                  [--strategies ...] [--out bench/results]
 
 Same model (the seed decoder), same global batch, same optimizer in every strategy:
 
@@ -16,8 +17,9 @@ A run's tokens/s is the median over its timed steps after warm-up; memory is ran
 peak RSS. Each configuration runs ``--repeats`` times, the strategies interleaved in a
 rotating order within each round, so that a slow stretch of this shared machine falls
 on all of them; the table gives the median and the min-max over the runs, and each
-strategy's ratio to DDP per round (median and min-max). Writes
-bench/results/data_parallel.md and .json.
+strategy's ratio to DDP per round (median, min-max, and in how many rounds it was at
+least 0.95 and at least 1). Writes ``<out>/data_parallel.md`` and ``.json`` (``--out``,
+default bench/results).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--worker")
     p.add_argument("--result")
     args = p.parse_args()
@@ -102,7 +105,7 @@ def main() -> None:
         k = r % len(configs)
         for strategy, nproc in configs[k:] + configs[:k]:  # a rotating order: each round starts elsewhere
             row = run_worker(__file__, ["--worker", strategy, "--steps", str(args.steps), "--warmup",
-                                        str(args.warmup)], nproc, HERE / "results" / f".{strategy}{nproc}.json")
+                                        str(args.warmup)], nproc, args.out / f".{strategy}{nproc}.json")
             runs[(strategy, nproc)].append(row)
             print(f"round {r + 1}/{args.repeats}: {strategy} x{nproc} {row['tokens_per_s']:.0f} tok/s", flush=True)
     names = {"single": "one process", "ddp": "DDP", "replicate": "ts.replicate",
@@ -111,15 +114,17 @@ def main() -> None:
     lines = [
         "# Data parallelism: tokens/s and memory",
         "",
-        f"`python bench/data_parallel.py --repeats {args.repeats}`: seed decoder {MODEL}, global batch {BATCH} x "
+        f"`python bench/data_parallel.py --repeats {args.repeats} --steps {args.steps} --warmup {args.warmup} "
+        f"--nproc {' '.join(map(str, args.nproc))} --strategies {' '.join(args.strategies)}"
+        f"{'' if args.out == HERE / 'results' else f' --out {args.out}'}`: seed decoder {MODEL}, global batch {BATCH} x "
         f"{SEQ} tokens, Adam; gloo processes (OMP threads = cores / processes) except `one process` (1 process, "
         f"{cores} threads). Each run: median of {args.steps - args.warmup} timed steps; {args.repeats} runs of each "
         f"configuration, interleaved. Machine: {platform.machine()}, {cores} cores, torch "
         f"{__import__('torch').__version__}.",
         "",
         "| strategy | processes | tokens/s, median of runs | min-max of runs | vs DDP, median of rounds | "
-        "min-max of rounds | peak RSS per process (GB) |",
-        "|---|---|---|---|---|---|---|",
+        "min-max of rounds | rounds >= 0.95 / >= 1 | peak RSS per process (GB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for (strategy, nproc), rs in runs.items():
@@ -132,10 +137,13 @@ def main() -> None:
         rows.append(row)
         vs = f"{row['vs_ddp']:.2f}" if ratios else ""
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+        count = (f"{sum(x >= 0.95 for x in ratios)} / {sum(x >= 1 for x in ratios)} of {len(ratios)}"
+                 if ratios and strategy != "ddp" else "")
         lines.append(f"| {names[strategy]} | {nproc} | {row['tokens_per_s']:.0f} | {min(tps):.0f}-{max(tps):.0f} | "
-                     f"{vs} | {spread} | {row['peak_rss_gb']:.2f} |")
-    (HERE / "results" / "data_parallel.md").write_text("\n".join(lines) + "\n")
-    (HERE / "results" / "data_parallel.json").write_text(json.dumps(rows, indent=1))
+                     f"{vs} | {spread} | {count} | {row['peak_rss_gb']:.2f} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "data_parallel.md").write_text("\n".join(lines) + "\n")
+    (args.out / "data_parallel.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
 
 
