@@ -29,6 +29,34 @@ def dist():
         pool.close()
 
 
+@pytest.fixture(scope="session")
+def once(tmp_path_factory):
+    """``once(name, make)``: made once for all the test runners of a run. ``make(folder)``
+    fills an empty folder and returns a JSON value; ``once`` returns ``(folder, value)``.
+    pytest-xdist's workers share the parent of their temporary directories: a file lock
+    there lets one of them make it while the others wait for it. A make that raised is
+    made again by the next caller. What is made is shared: tests read it and write their
+    own files elsewhere."""
+    import json
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, make):
+        folder, done = shared / name, shared / f"{name}.json"
+        with FileLock(str(shared / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a make that raised left
+                folder.mkdir()
+                done.write_text(json.dumps({"value": make(folder)}))
+            return folder, json.loads(done.read_text())["value"]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Every change a test makes to ``os.environ`` in this process is undone after it."""

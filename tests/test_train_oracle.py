@@ -10,6 +10,7 @@ a clean process that never imports torchspmd.
 import csv
 import json
 import math
+import os
 import pickle
 import re
 import subprocess
@@ -49,8 +50,10 @@ def dcp_state(checkpoint: Path) -> dict:
     """A checkpoint's whole (unsharded) state as torch's DCP format utilities assemble it
     from the shards: {'model': {name: tensor}, 'optim': {'state': ..., 'param_groups': ...}}."""
     out = checkpoint.parent.parent / f"oracle-{checkpoint.name}.pt"
-    if not out.exists():
-        clean_python(DCP_TO_TORCH, checkpoint, out)
+    if not out.exists():  # (a job shared by the test runners: written whole, by whichever gets here first)
+        part = out.with_name(f"{out.name}.{os.getpid()}")
+        clean_python(DCP_TO_TORCH, checkpoint, part)
+        os.replace(part, out)
     return torch.load(out, weights_only=False)
 
 
@@ -84,16 +87,19 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("oracle")
 
 
-@pytest.fixture(scope="module")
-def corpus(work):
-    """Random text (words of random letters) in one file: one document."""
+def _write_corpus(folder: Path) -> None:
     import random
 
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 8))) for _ in range(50)]
-    path = work / "corpus.txt"
-    path.write_text("".join(rng.choice(words) + rng.choice("  \n") for _ in range(1200)))
-    return path
+    (folder / "corpus.txt").write_text("".join(rng.choice(words) + rng.choice("  \n") for _ in range(1200)))
+
+
+@pytest.fixture(scope="module")
+def corpus(once):
+    """Random text (words of random letters) in one file: one document. (This and the jobs
+    below are made once for all the test runners: ``once`` in conftest.py.)"""
+    return once("oracle-corpus", _write_corpus)[0] / "corpus.txt"
 
 
 def job(out: Path, corpus: Path, *flags, steps: int = STEPS, **kw):
@@ -103,12 +109,14 @@ def job(out: Path, corpus: Path, *flags, steps: int = STEPS, **kw):
                  *flags, **kw)
 
 
+def _shared_job(out: Path, corpus: Path, *flags, **kw) -> None:
+    job(out, corpus, *flags, **kw)  # (its files are what the test runners share)
+
+
 @pytest.fixture(scope="module")
-def base(work, corpus):
+def base(once, corpus):
     """The reference job: grad_accum 1, no layer checkpointing."""
-    out = work / "base"
-    job(out, corpus)
-    return out
+    return once("oracle-base", lambda out: _shared_job(out, corpus))[0]
 
 
 # --- the job against one process of plain PyTorch and transformers ---------------------------------------------
@@ -193,23 +201,23 @@ def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
 
 
 @pytest.fixture(scope="module")
-def trained(work, corpus):
+def trained(once, corpus):
     """A job trained long enough to have learnt the corpus's letters (so that its greedy
     text is ASCII: the byte tokenizer's text then gives back its token ids)."""
-    out = work / "trained"
-    job(out, corpus, "--optim.warmup_steps", "5", steps=30)
-    return out
+    return once("oracle-trained", lambda out: _shared_job(out, corpus, "--optim.warmup_steps", "5", steps=30))[0]
 
 
-@pytest.fixture(scope="module")
-def exported(work, trained):
-    hf = work / "hf"
-    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(hf)], capture_output=True,
-                       text=True, env=_env(), timeout=300, cwd=ROOT)
+def _export(trained: Path, folder: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(folder / "hf")],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     # no warning (DCP's "torch.distributed is disabled ..." among them; transformers' progress bar may show)
     assert not re.search(r"warn|(^|\]:)W\d{4} \d", r.stderr, re.IGNORECASE | re.MULTILINE), r.stderr[-3000:]
-    return hf
+
+
+@pytest.fixture(scope="module")
+def exported(once, trained):
+    return once("oracle-exported", lambda folder: _export(trained, folder))[0] / "hf"
 
 
 HF_GENERATE = """
@@ -225,12 +233,12 @@ print(json.dumps(out[0].tolist()))
 
 
 @pytest.fixture(scope="module")
-def transformers_oracle(work, exported):
+def transformers_oracle(once, exported):
     """transformers' own reading of the exported directory: its weights, and its greedy
     continuation of the prompt."""
-    weights = work / "from_pretrained.pt"
-    ids = json.loads(clean_python(HF_GENERATE, exported, json.dumps(list(PROMPT.encode())), NEW_TOKENS, weights))
-    return {"weights": torch.load(weights), "ids": ids}
+    folder, ids = once("oracle-transformers", lambda folder: json.loads(clean_python(
+        HF_GENERATE, exported, json.dumps(list(PROMPT.encode())), NEW_TOKENS, folder / "from_pretrained.pt")))
+    return {"weights": torch.load(folder / "from_pretrained.pt"), "ids": ids}
 
 
 def test_export_equals_the_trained_weights(trained, exported, transformers_oracle):
@@ -280,12 +288,16 @@ NAN_STEPS = "2,4-6"  # one bad step, then three in a row
 MAX_BAD = 3
 
 
-@pytest.fixture(scope="module")
-def bad_job(work, corpus):
-    out = work / "nan"
+def _bad_job(out: Path, corpus: Path) -> dict:
     r = job(out, corpus, "--checkpoint.every", "1", "--checkpoint.keep", "10", "--optim.max_bad_steps", str(MAX_BAD),
             steps=8, env={"TORCHSPMD_FAULT_NAN_AT_STEPS": NAN_STEPS}, check=False)
-    return out, r
+    return {"returncode": r.returncode, "stderr": r.stderr}
+
+
+@pytest.fixture(scope="module")
+def bad_job(once, corpus):
+    out, r = once("oracle-nan", lambda out: _bad_job(out, corpus))
+    return out, subprocess.CompletedProcess([], r["returncode"], "", r["stderr"])
 
 
 def test_a_non_finite_step_changes_nothing_and_is_recorded(bad_job):

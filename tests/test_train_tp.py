@@ -44,17 +44,22 @@ def close(a: dict, b: dict, where: str, atol: float = WEIGHTS_ATOL) -> None:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol, msg=f"{where}.{k}")
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    runs = {
-        "1d": (tmp / "1d", 2, []),  # FSDP over 2 devices
-        "2d": (tmp / "2d", 4, ["--mesh.model", "2"]),  # (fsdp 2, model 2)
-    }
-    for out, devices, flags in runs.values():
-        r = train(out, *ARGS, *flags, devices=devices)
+RUNS = {"1d": (2, []),  # FSDP over 2 devices
+        "2d": (4, ["--mesh.model", "2"])}  # (fsdp 2, model 2)
+
+
+def _jobs(folder: Path) -> None:
+    for name, (devices, flags) in RUNS.items():
+        r = train(folder / name, *ARGS, *flags, devices=devices)
         assert "Warning" not in r.stderr, r.stderr[-3000:]
-    return tmp, {k: v[0] for k, v in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def jobs(once, tmp_path_factory):
+    """(a folder of this test runner's for what the tests write, the two jobs' output
+    folders: made once for all the test runners, ``once`` in conftest.py)"""
+    shared, _ = once("tp-jobs", _jobs)
+    return tmp_path_factory.mktemp("tp"), {name: shared / name for name in RUNS}
 
 
 def test_the_2d_job_trains_as_the_1d_job(jobs):

@@ -7,7 +7,6 @@ transformers / trl trainer for the optimum program) on one device, in a process 
 imports torchspmd (tests/xla_compat/oracle.py). fp32, rtol 1e-5."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from _helpers import ROOT, clean_env
-from filelock import FileLock
 
 HERE = ROOT / "tests" / "xla_compat"
 SEEDS = ROOT.parent / "shared" / "seeds"
@@ -59,21 +57,9 @@ def _oracle_once(*args):
 
 
 @pytest.fixture(scope="session")
-def seed_oracle(tmp_path_factory):
-    """The oracle's losses for a seed program, computed once for all the test runners: the
-    pytest-xdist workers of a run share the parent of their temporary directories, and a file
-    lock there lets one of them compute while the others wait for its result."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-    def losses(program: str) -> list[float]:
-        result = shared / f"oracle-{program}.json"
-        with FileLock(str(result) + ".lock"):
-            if not result.exists():
-                result.write_text(json.dumps(_oracle(program)))
-            return json.loads(result.read_text())
-
-    return losses
+def seed_oracle(once):
+    """The oracle's losses for a seed program, computed once for all the test runners."""
+    return lambda program: once(f"oracle-{program}", lambda _: _oracle(program))[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
