@@ -65,13 +65,16 @@ def assert_identical(a, b, where="") -> None:
         assert a == b, where
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The never-interrupted run, every checkpoint kept."""
-    out = tmp_path_factory.mktemp("straight")
+def _straight(out: Path) -> None:
     train(out, *ARGS, "--checkpoint.keep", "0")
     assert entries(out) == [f"step-0000000{s}" for s in (2, 4, 6)]
-    return out
+
+
+@pytest.fixture(scope="module")
+def straight(once):
+    """The never-interrupted run, every checkpoint kept (made once for all the test
+    runners: ``once`` in conftest.py; the tests read it)."""
+    return once("checkpoints-straight", _straight)[0]
 
 
 def test_the_runs_resume_inside_the_cosine_decay(straight):
