@@ -60,7 +60,7 @@ def _loss(kind, model, x, y):
 
 
 def _run(kind: str, rows: int, batch: int, accumulate: int = 1, spmd: bool = False, wrap: bool = False,
-         annotate: bool = False, net_kwargs=None, eval_first=False):
+         annotate: bool = False, net_kwargs=None, eval_first=False, raise_first=False):
     """Train for len(batches) / accumulate steps; return (losses, grads per step, state, decisions)."""
     torch.manual_seed(0)
     model = _decoder() if kind == "decoder" else Net(**(net_kwargs or {}))
@@ -82,6 +82,19 @@ def _run(kind: str, rows: int, batch: int, accumulate: int = 1, spmd: bool = Fal
             x0, y0 = next(iter(loader))
             _loss(kind, model, x0, y0)
         model.train()
+    if raise_first:  # a call that raises (a batch of the wrong width), caught by the program
+        import warnings
+
+        x0, y0 = next(iter(loader))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                model(torch.cat([x0, x0], dim=1))
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError("the bad call did not raise")
+        assert not caught, [str(w.message) for w in caught]
     losses, grads = [], []
     for i, (x, y) in enumerate(loader):
         loss = _loss(kind, model, x, y) / accumulate
@@ -161,6 +174,16 @@ def test_evaluation_before_training(dist):
     results = dist(2).run(_run, "net", 8 * 3, 8, spmd=True, eval_first=True)
     _check(results, ref)
     assert all(sorted(r[3]) == [True, True] for r in results)
+
+
+def test_a_call_that_raised_leaves_the_path_to_the_next_calls(dist):
+    # torch calls a global always-called forward hook without keyword arguments after a
+    # forward raised: the path's hook must still close the call (no warning), and the
+    # next calls are checked and take the local path as if the failed call had not been.
+    ref = _run("net", 8 * 3, 8, raise_first=True)
+    results = dist(2).run(_run, "net", 8 * 3, 8, spmd=True, raise_first=True)
+    _check(results, ref)
+    assert all(r[3] == [True] for r in results)
 
 
 def _switch_off():

@@ -153,6 +153,13 @@ def replicate(
     runtime._require_spmd("replicate")
     if getattr(module, "_torchspmd_replicate", None) is not None:
         raise SpmdError("replicate: this module is already replicated")
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise SpmdError(
+                f"replicate: parameter {name!r} is sharded (annotated with mark_sharding, or sharded by FSDPv2); "
+                f"replicate is for models whose parameters are all whole. Leave it out: an FSDPv2 model, or one "
+                f"with annotated parameters, reduces its own gradients"
+            )
     mesh = mesh or get_global_mesh() or get_1d_mesh("data")
     if data_axes is None:
         dims = list(range(mesh.ndim))
@@ -507,9 +514,12 @@ def _global_pre(module, args):
     return None
 
 
-def _global_post(module, args, kwargs, output):
+def _global_post(module, args, *rest):
+    # (module, args, kwargs, output); after a forward that raised, torch calls a global
+    # always-called hook without the keyword arguments: (module, args, output).
     if torch.compiler.is_compiling():
         return None
+    kwargs, output = rest if len(rest) == 2 else ({}, None)
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
