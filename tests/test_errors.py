@@ -190,6 +190,9 @@ attempt("num_devices=0", num_devices=0)
 os.environ["TORCHSPMD_NUM_DEVICES"] = "0"
 attempt("env=0")
 del os.environ["TORCHSPMD_NUM_DEVICES"]
+os.environ["TORCHSPMD_BACKEND"] = "bogus"
+attempt("bogus env")
+del os.environ["TORCHSPMD_BACKEND"]
 if not torch.cuda.is_available():
     attempt("cuda", backend="cuda")
     os.environ["TORCHSPMD_BACKEND"] = "cuda"
@@ -206,6 +209,7 @@ def test_use_spmd_errors():
     assert got["num_devices=0"] == "use_spmd(num_devices=0): give a positive integer"
     assert got["env=0"] == ("TORCHSPMD_NUM_DEVICES=0: the number of devices must be at least 1; set it to the "
                             "number of processes to run, or unset it")
+    assert got["bogus env"].startswith("TORCHSPMD_BACKEND=bogus: unknown backend; choose one of cpu, cuda, xla")
     if "cuda env" in got:
         assert got["cuda env"] == ("TORCHSPMD_BACKEND=cuda: no CUDA device is visible to PyTorch "
                                    "(torch.cuda.is_available() is False); use TORCHSPMD_BACKEND=cpu")
@@ -280,3 +284,104 @@ def test_load_full_state_dict_errors_on_every_rank(dist):
                             "dict comes from a model of another shape: build the model with the same configuration")
     assert msg["not a tensor"] == ("load_full_state_dict: the value of 'fc2.bias' is a list, not a tensor; give "
                                    "tensors (torch.as_tensor(value))")
+
+
+def _wrong_orders():
+    """Wrappers, annotations and optimizers in an order that cannot work: each case's
+    error (type, message) on this process; None where it ran."""
+    import functools
+
+    mesh = ts.Mesh(np.arange(2), (2, 1), ("fsdp", "model"))
+    x = ts.mark_sharding(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), mesh, ("fsdp", None))
+
+    def step(model, opt):
+        model(x).sum().backward()
+        opt.step()
+
+    def opt_before_fsdp():
+        net = _Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        step(ts.FSDPv2(net, mesh=mesh), opt)
+
+    def opt_before_mark():
+        net = _Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ts.mark_sharding(net.fc1.weight, mesh, ("fsdp", None))
+        step(net, opt)
+
+    def opt_after():  # the right order: trains
+        net = ts.FSDPv2(_Net(), mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        before = net.fc1.weight.full_tensor().clone()
+        step(net, opt)
+        assert not torch.equal(before, net.fc1.weight.full_tensor())
+        ts.FSDPv2(nn.Sequential(ts.FSDPv2(_Net(), mesh=mesh)), mesh=mesh)  # nested, inner first: fine
+
+    def fsdp_inside_wrapped():
+        net = _Net()
+        ts.FSDPv2(net, mesh=mesh)
+        ts.FSDPv2(net.fc1, mesh=mesh)
+
+    def mark_after_fsdp():
+        net = _Net()
+        ts.FSDPv2(net, mesh=mesh)
+        ts.mark_sharding(net.fc1.weight, mesh, ("model", None))
+
+    cases = {
+        "opt_before_fsdp": opt_before_fsdp,
+        "opt_before_mark": opt_before_mark,
+        "opt_after": opt_after,
+        "fsdp_of_replicate": lambda: ts.FSDPv2(ts.replicate(_Net(), mesh), mesh=mesh),
+        "replicate_of_fsdp": lambda: ts.replicate(ts.FSDPv2(_Net(), mesh=mesh), mesh),
+        "replicate_annotated": lambda: _replicate_annotated(mesh),
+        "fsdp_inside_wrapped": fsdp_inside_wrapped,
+        "mark_after_fsdp": mark_after_fsdp,
+        "fsdp_of_function": lambda: ts.FSDPv2(lambda t: t, mesh=mesh),
+        "shard_output_not_callable": lambda: ts.FSDPv2(_Net(), mesh, 3),
+        "axis_names_string": lambda: ts.Mesh(np.arange(2), (2,), "data"),
+        "policy_of_a_class": lambda: ts.FSDPv2(_Net(), mesh=mesh, auto_wrap_policy=functools.partial(
+            ts.transformer_auto_wrap_policy, transformer_layer_cls=nn.Linear)),
+    }
+    errors = {}
+    for name, case in cases.items():
+        torch.manual_seed(0)
+        try:
+            case()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def _replicate_annotated(mesh):
+    net = _Net()
+    ts.mark_sharding(net.fc1.weight, mesh, ("fsdp", None))
+    ts.replicate(net, mesh)
+
+
+def test_wrong_order_is_refused_with_the_fix_on_every_rank(dist):
+    results = dist(2).run(_wrong_orders)
+    assert results[0] == results[1]  # the same error on every process
+    errors = results[0]
+    assert errors["opt_after"] is None
+    expected = {
+        "opt_before_fsdp": ("SpmdError", "SGD.step(): this optimizer holds parameter 'fc1.weight', which FSDPv2 "
+                            "replaced with its shard", "Build the optimizer after wrapping"),
+        "opt_before_mark": ("SpmdError", "SGD.step(): this optimizer holds a parameter that mark_sharding replaced",
+                            "optimizer = torch.optim.SGD(model.parameters(), ...)"),
+        "fsdp_of_replicate": ("SpmdError", "was made data-parallel by ts.replicate", "Wrap the plain model"),
+        "replicate_of_fsdp": ("SpmdError", "replicate: parameter 'fc1.weight' is sharded", "Leave it out"),
+        "replicate_annotated": ("SpmdError", "replicate: parameter 'fc1.weight' is sharded", "Leave it out"),
+        "fsdp_inside_wrapped": ("SpmdError", "parameter 'weight' is already sharded by an FSDPv2 around",
+                                "wrap inner modules first"),
+        "mark_after_fsdp": ("SpmdError", "mark_sharding: this parameter was made by FSDPv2",
+                            "annotate the model's parameters before wrapping it"),
+        "fsdp_of_function": ("TypeError", "FSDPv2(module=...): expected an nn.Module, got function", ""),
+        "shard_output_not_callable": ("TypeError", "FSDPv2(shard_output=...): expected a callable", "got int"),
+        "axis_names_string": ("SpmdError", "Mesh(axis_names='data'): give a tuple of names", "('data',)"),
+        "policy_of_a_class": ("SpmdError", "transformer_layer_cls=Linear): give a set of layer classes",
+                              "transformer_layer_cls={Linear}"),
+    }
+    for name, (kind, what, fix) in expected.items():
+        assert errors[name] is not None and errors[name][0] == kind, (name, errors[name])
+        assert what in errors[name][1] and fix in errors[name][1], (name, errors[name][1])

@@ -55,6 +55,9 @@ class Mesh(metaclass=OnXla):
             raise SpmdError(f"Mesh(mesh_shape={mesh_shape!r}): give a tuple of axis sizes, e.g. (4, 2)") from None
         if any(s < 1 for s in shape):
             raise SpmdError(f"Mesh(mesh_shape={shape}): every axis needs at least one device")
+        if isinstance(axis_names, str):
+            raise SpmdError(f"Mesh(axis_names={axis_names!r}): give a tuple of names, one per axis, e.g. "
+                            f"({axis_names!r},) for one axis")
         if axis_names is not None:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(shape):

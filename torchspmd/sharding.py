@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchspmd import _boundary, _owners, runtime
+from torchspmd import _boundary, _owners, _stale, runtime
 from torchspmd._delegate import OnXla, on_xla
 from torchspmd._chunks import block_of, tile_shape
 from torchspmd._chunks import contiguous_stride as _contiguous_stride
@@ -153,6 +153,12 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
         if marked is not None:  # inside a shard_output callable: t is this process's block
             return marked
     if isinstance(t, DTensor):
+        if _stale.made_by_fsdp(t):
+            raise SpmdError(
+                "mark_sharding: this parameter was made by FSDPv2 (its shard of a parameter); annotate the "
+                "model's parameters before wrapping it: ts.mark_sharding(model.layer.weight, mesh, spec), then "
+                "FSDPv2(model, ...)"
+            )
         if t.device_mesh != dmesh:
             raise SpmdError(
                 "mark_sharding: the tensor is already sharded over another mesh; call clear_sharding(t) first"
@@ -173,6 +179,8 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
             # whole, or as a pending sum): so is the optimizer state computed from it.
             out.register_hook(functools.partial(_like_param, out.device_mesh, tuple(out.placements)))
     if t.is_leaf:
+        if isinstance(t, torch.nn.Parameter):
+            _stale.mark_replaced(t, "a parameter that mark_sharding replaced with a sharded one")
         # In place, as torch_xla: every module slot holding `t` (a parameter or a buffer)
         # now holds the sharded tensor, so the result need not be assigned back.
         _owners.replace(t, out)
@@ -209,6 +217,12 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec: Pa
     placements = tuple(spec_to_placements(mesh, resolved))
     dmesh = mesh.device_mesh
     if isinstance(t, DTensor):
+        if _stale.made_by_fsdp(t):
+            raise SpmdError(
+                "mark_sharding: this parameter was made by FSDPv2 (its shard of a parameter); annotate the "
+                "model's parameters before wrapping it: ts.mark_sharding(model.layer.weight, mesh, spec), then "
+                "FSDPv2(model, ...)"
+            )
         if t.device_mesh != dmesh:
             raise SpmdError("mark_sharding_with_gradients: the tensor is sharded over another mesh; call "
                             "clear_sharding(t) first")

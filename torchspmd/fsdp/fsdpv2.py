@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchspmd import _global_view, runtime
+from torchspmd import _global_view, _stale, runtime
 from torchspmd._boundary import (
     BatchLayout,
     inputs_to_local,
@@ -124,6 +124,11 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
         strict_sharding: bool = False,
     ):
         runtime._require_spmd("FSDPv2")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDPv2(module=...): expected an nn.Module, got {type(module).__name__}")
+        if shard_output is not None and not callable(shard_output):
+            raise TypeError(f"FSDPv2(shard_output=...): expected a callable fn(output, mesh), got "
+                            f"{type(shard_output).__name__} (the third positional argument is shard_output)")
         if isinstance(module, SpmdFullyShardedDataParallel):
             raise RuntimeError(
                 "Cannot wrap a module that is already wrapped with FSDP. For nested FSDP, first wrap the "
@@ -154,12 +159,14 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
                 raise ValueError(f"The provided {extra_data_axis} axis is not in the mesh {tuple(mesh.axis_names)}.")
             if extra_data_axis == "fsdp":
                 raise ValueError("extra_data_axis must be another axis than 'fsdp'")
+        _check_wrap_order(module)
         super().__init__()
         # Values FSDP2 splits (or leaves whole) must be one value before they are split:
         # checked once, rank 0's copied where a process differs (docs/guide.md).
         from torchspmd import _replicas
 
         _replicas.agree_once([t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)])
+        before = list(module.named_parameters(remove_duplicate=False))  # (an optimizer built on them is refused)
         from torchspmd.fsdp.collectives import CHOICES
 
         if collectives not in CHOICES:
@@ -192,6 +199,8 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
         _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
+        _tag_replaced(module, before)
+        del before  # (the whole parameters: freed before handing their memory back)
         release_freed_memory()  # the whole parameters this process no longer holds
         if compile:
             _compile_units(module, compile if isinstance(compile, dict) else {})
@@ -261,6 +270,41 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
 
 
 FSDPv2 = SpmdFullyShardedDataParallel
+
+
+def _check_wrap_order(module: nn.Module) -> None:
+    """Refuse wrappers applied in an order that cannot work, naming the fix."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, sub in module.named_modules():
+        if getattr(sub, "_torchspmd_replicate", None) is not None:
+            raise SpmdError(
+                f"FSDPv2: module {name or type(module).__name__!r} was made data-parallel by ts.replicate, "
+                f"which keeps whole parameters and all-reduces their gradients; FSDPv2 shards them and reduces "
+                f"their gradients itself. Wrap the plain model with FSDPv2 alone"
+            )
+    inside = {id(p) for sub in module.modules() if sub is not module
+              and isinstance(sub, (SpmdFullyShardedDataParallel, FSDPModule)) for p in sub.parameters()}
+    for name, p in module.named_parameters():
+        if _stale.made_by_fsdp(p) and id(p) not in inside:
+            raise SpmdError(
+                f"FSDPv2: parameter {_clean(name)!r} is already sharded by an FSDPv2 around a module that contains "
+                f"this one: wrap inner modules first (FSDPv2(layer) for each layer, then FSDPv2(model)), or give "
+                f"the outer FSDPv2 an auto_wrap_policy"
+            )
+
+
+def _tag_replaced(module: nn.Module, before: list) -> None:
+    """The parameters wrapping replaced (an optimizer still holding one is refused at its
+    step) and the sharded ones it made (not to be wrapped or annotated again)."""
+    now = {id(p) for p in module.parameters()}
+    had = {id(p) for _, p in before}
+    for name, p in before:
+        if id(p) not in now:
+            _stale.mark_replaced(p, f"parameter {_clean(name)!r}, which FSDPv2 replaced with its shard")
+    for p in module.parameters():
+        if id(p) not in had:
+            _stale.mark_fsdp(p)
 
 
 def _unit_meshes(mesh: Mesh, extra_data_axis: str | None):

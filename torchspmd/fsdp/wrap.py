@@ -9,6 +9,8 @@ from typing import Callable, Iterable
 
 import torch.nn as nn
 
+from torchspmd._errors import SpmdError
+
 __all__ = [
     "always_wrap_policy",
     "lambda_auto_wrap_policy",
@@ -34,6 +36,10 @@ def transformer_auto_wrap_policy(
     module: nn.Module, recurse: bool, unwrapped_params: int, transformer_layer_cls: Iterable[type]
 ) -> bool:
     """Wrap every instance of the given layer classes (e.g. ``{DecoderLayer}``)."""
+    if isinstance(transformer_layer_cls, type):
+        name = transformer_layer_cls.__name__
+        raise SpmdError(f"transformer_auto_wrap_policy(transformer_layer_cls={name}): give a set of layer classes, "
+                        f"e.g. transformer_layer_cls={{{name}}}")
     if recurse:
         return True
     return isinstance(module, tuple(transformer_layer_cls))
