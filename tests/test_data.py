@@ -195,3 +195,64 @@ def test_prefetch_and_workers_keep_order(dist):
     assert len(got) == len(ref)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Ragged(Dataset):
+    """Samples of different lengths: (features 5 x L, targets L), L = 3 for the first half
+    of each batch of 8 and 4 for the second (so process 0's rows are shorter than 1's)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        n = 3 if i % 8 < 4 else 4
+        return torch.randn(5, n, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def _pad_to_longest(samples):  # a collate_fn padding to the longest row it is given
+    n = max(x.shape[1] for x, _ in samples)
+    xs = torch.stack([torch.nn.functional.pad(x, (0, n - x.shape[1])) for x, _ in samples])
+    ys = torch.stack([torch.nn.functional.pad(y, (0, n - y.shape[0]), value=-100) for _, y in samples])
+    return xs, ys
+
+
+def _rows_of_different_shapes(case):
+    mesh = _mesh()
+    if case == "minibatch":  # each process's own part: process 1's has 3 rows, 0's 2
+        rank = torch.distributed.get_rank()
+        parts = [torch.randn(2 + rank, 3), torch.randn(2 + rank, 3)]
+        batches = ts.MpDeviceLoader(parts, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None),
+                                                                                       minibatch=True))
+    else:
+        loader = DataLoader(_Ragged(), batch_size=8, collate_fn=_pad_to_longest)
+        batches = ts.MpDeviceLoader(loader, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None, None)))
+    where = "next"
+    try:
+        for batch in batches:
+            if case == "loss":  # the loss reads the batch's counts: checked before it is computed
+                where = "loss"
+                x, y = batch
+                torch.nn.functional.cross_entropy(x, y)
+                where = "next"
+    except ts.SpmdError as e:
+        return where, str(e)
+    return where, None
+
+
+@pytest.mark.parametrize("case", ["loss", "next", "minibatch"])
+def test_rows_collated_to_different_shapes_are_an_error_on_every_rank(dist, case):
+    # One device, or one process collating the whole batch, would have raised or padded
+    # alike; each process collating its own rows must not build a different global shape.
+    where, message = same_on_every_rank(dist(2).run(_rows_of_different_shapes, case))
+    assert message is not None, "no error"
+    # found by the loss of the batch, else when the next batch is taken
+    assert where == ("loss" if case == "loss" else "next")
+    if case == "minibatch":
+        assert message.startswith("MpDeviceLoader: batch 0's tensor number 0 has different numbers of rows on "
+                                  "different processes (minibatch=True"), message
+    else:
+        assert message.startswith("MpDeviceLoader: batch 0's tensor number 0 has different sizes of dim 2 on "
+                                  "different processes (sizes averaging 3.5): each process collated only its own "
+                                  "rows"), message
+        assert "ts.shard_batch(batch, input_sharding)" in message

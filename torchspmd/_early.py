@@ -39,18 +39,29 @@ class BatchCounts:
     """The ignored entries of one batch's integer tensors: this process's part of each
     count, then (``start``) their sums over all processes."""
 
-    def __init__(self, summed: bool):
+    def __init__(self, summed: bool, batch: int = 0):
         self.summed = summed  # False: every process holds the whole tensors
+        self.batch = batch  # its number in the loader's order (for messages)
         self.parts: list[int] = []
+        # Sizes every process must agree on (the dims of a tensor each process collated
+        # from its own rows), reduced with the counts as (size, size squared): the sums
+        # say whether they all agree (n * sum of squares == sum squared).
+        self.sizes: list[tuple[str, int, int]] = []
         self.totals: torch.Tensor | None = None
         self.work = None
         self.started = False
+        self.verified = False
+        self.processes = 1
 
     def count(self, t: torch.Tensor, counts: bool) -> int:
         """Add a tensor (in the loader's thread); ``counts``: whether this process's entries
         are part of the sum (one process per replica group counts a block held by several)."""
         self.parts.append(int((t == IGNORE_INDEX).sum()) if counts else 0)
         return len(self.parts) - 1
+
+    def agree(self, key: str, dim: int, size: int) -> None:
+        """Add a size every process must have alike (in the loader's thread)."""
+        self.sizes.append((key, dim, size))
 
     def start(self) -> None:
         """Start the sums (in the program's thread: every process starts them in the same
@@ -61,21 +72,51 @@ class BatchCounts:
 
         self.started = True
         with _global_view.local_region():  # (plain tensors: no call of the global view per operation)
-            self.totals = torch.tensor(self.parts, dtype=torch.int64)
+            values = self.parts + [v for _, _, n in self.sizes for v in (n, n * n)]
+            self.totals = torch.tensor(values, dtype=torch.int64)
             if self.summed and dist.is_initialized() and dist.get_world_size() > 1:
                 if not _host_collectives():
                     # A default group without a CPU backend (NCCL alone, initialised by the
                     # program): the counts are not summed, and the loss reduces its own.
                     self.totals = None
                     return
+                self.processes = dist.get_world_size()
                 self.work = dist.all_reduce(self.totals, async_op=True)
+
+    def verify(self) -> None:
+        """Wait for the sums (started earlier) and raise, alike on every process, if the
+        processes' batches had different sizes where they must agree."""
+        if not self.started or self.totals is None or self.verified:
+            return
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.verified = True
+        at = len(self.parts)
+        for i, (key, dim, _) in enumerate(self.sizes):
+            total, squares = int(self.totals[at + 2 * i]), int(self.totals[at + 2 * i + 1])
+            if self.processes * squares != total * total:
+                from torchspmd._errors import SpmdError
+
+                what = f"sizes of dim {dim}"
+                raise SpmdError(
+                    f"MpDeviceLoader: batch {self.batch}'s tensor {key} has different {what} on different "
+                    f"processes (sizes averaging {total / self.processes:g}): each process collated only its own "
+                    f"rows of the global batch, so a collate_fn that pads to the longest row, or samples of "
+                    f"different lengths, give each process another shape. Make every batch one shape (pad to "
+                    f"a fixed length), or collate the whole batch in every process and split it with "
+                    f"ts.shard_batch(batch, input_sharding)"
+                    if dim else
+                    f"MpDeviceLoader: batch {self.batch}'s tensor {key} has different numbers of rows on "
+                    f"different processes (minibatch=True: each process yields its own part, and the parts must "
+                    f"be of one size); give every process's loader the same batch size and drop a last batch "
+                    f"that cannot be split alike (drop_last=True)"
+                )
 
     def total(self, index: int) -> int | None:
         if not self.started or self.totals is None:
             return None
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        self.verify()
         return int(self.totals[index])
 
 

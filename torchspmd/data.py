@@ -241,6 +241,7 @@ class _Iterator:
         self.queue: queue.Queue = queue.Queue(maxsize=owner._prefetch)
         self.stop = threading.Event()
         self.first_size: int | None = None
+        self.previous: _early.BatchCounts | None = None  # the last batch's, not verified yet
         if owner.per_process_reading:
             self.slicer = _SliceBatches(owner._loader.batch_sampler, self.layout)
             source = iter(_local_loader(owner._loader, self.slicer))
@@ -279,6 +280,12 @@ class _Iterator:
         return self
 
     def __next__(self):
+        if self.previous is not None:
+            # The batch before: its sizes, reduced while it was used (done by now), must have
+            # agreed (a loss that read its counts checked them already). Checked before this
+            # batch starts a collective: an error leaves every process at the same point.
+            previous, self.previous = self.previous, None
+            previous.verify()
         with self.queue.mutex:  # the batch about to be taken, if ready
             head = self.queue.queue[0] if self.queue.queue else None
         if type(head) is tuple:
@@ -295,6 +302,8 @@ class _Iterator:
             raise item.exc
         batch, counts = item
         counts.start()  # here, in the program's thread: a collective in program order
+        if counts.sizes:
+            self.previous = counts
         return batch
 
     def __del__(self):
@@ -341,7 +350,7 @@ class _Iterator:
 
     def _shard(self, batch, n: int):
         global_rows = self.slicer.global_sizes.popleft() if self.slicer is not None else None
-        counts = _early.BatchCounts(summed=global_rows is not None or self.layout.minibatch)
+        counts = _early.BatchCounts(summed=global_rows is not None or self.layout.minibatch, batch=n)
         return _shard_batch(batch, self.layout, self.owner._device, n, global_rows, counts), counts
 
 
@@ -363,7 +372,11 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
                     f"(keys {sorted(layout.sharding)}); add a ShardingSpec for it"
                 )
 
+    position = [0]
+
     def convert(key, t: torch.Tensor):
+        label = repr(key) if key is not None else f"number {position[0]}"  # (a tuple's: by position)
+        position[0] += 1
         if layout.mesh is None:
             return t.to(device, non_blocking=True)
         spec = layout.spec_for(key, t)
@@ -372,9 +385,13 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
             # Each process yielded its own rows; every process yields parts of one size.
             gshape = (t.shape[0] * layout.row_shards, *t.shape[1:])
             read_start = 0
+            for d in range(t.dim()):
+                counts.agree(label, d, t.shape[d])
         elif global_rows is not None and t.dim() > 0:
             gshape = (global_rows, *t.shape[1:])
             read_start, _ = layout.rows_of_this_rank(global_rows)
+            for d in range(1, t.dim()):  # (this process collated its own rows: the rest must agree)
+                counts.agree(label, d, t.shape[d])
         else:
             gshape = tuple(t.shape)
             read_start = None
