@@ -48,9 +48,21 @@ def test_plain_python_relaunches_per_device_and_prints_once(script):
 
 
 def test_num_devices_environment_variable(script):
-    r = _run([sys.executable, str(script)], TORCHSPMD_NUM_DEVICES=3)
+    # (TORCHSPMD_ALL_RANKS_OUTPUT=0 is off, as unset: rank 0 alone prints)
+    r = _run([sys.executable, str(script)], TORCHSPMD_NUM_DEVICES=3, TORCHSPMD_ALL_RANKS_OUTPUT=0)
     assert r.returncode == 0, r.stderr
-    assert "hello from a world of 3 rank=0" in r.stdout
+    assert [l for l in r.stdout.splitlines() if l.startswith("hello")] == ["hello from a world of 3 rank=0 args=[]"]
+
+
+def test_a_missing_or_broken_script_fails_once_before_any_worker(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nif True\n    print('never')\n")
+    for path, message in [(tmp_path / "missing.py", f"torchspmd run: no such script: {str(tmp_path / 'missing.py')!r}"),
+                          (bad, f"torchspmd run: SyntaxError in the script ({bad}, line 2): expected ':'")]:
+        r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(path)])
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert r.stderr.startswith("torchspmd: " + message) and r.stderr.count("torchspmd run:") == 1, r.stderr
+        assert "Traceback" not in r.stderr and "rank" not in r.stderr, r.stderr
 
 
 def test_single_device_runs_in_process(script):

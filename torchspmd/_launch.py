@@ -35,6 +35,11 @@ _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 # error types, and gloo's transport errors (raised as plain RuntimeError, e.g.
 # "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer").
 _ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"
+
+
+def _all_ranks_output() -> bool:
+    """``TORCHSPMD_ALL_RANKS_OUTPUT`` set to anything but ``0`` (or empty): every rank prints."""
+    return os.environ.get(_ALL_RANKS_OUTPUT, "").strip() not in ("", "0")
 _LOST_CONNECTION_TYPES = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError"}
 _LOST_CONNECTION_TEXT = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
 
@@ -318,7 +323,7 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
     root, others = items[0], sorted(items[1:], key=lambda x: x.rank)
     r = root.rank
     printed = root.handled and (r == 0 or any(o.rank == 0 and o.handled and o.error == root.error for o in others)
-                                or bool(os.environ.get(_ALL_RANKS_OUTPUT)))
+                                or _all_ranks_output())
     if printed:  # the program printed it as one line (rank 0 prints for all): not again
         lines = [f"torchspmd: rank {r} failed: {root.error.partition(':')[0]} (its message is printed above)"]
     elif root.error is not None:

@@ -44,8 +44,8 @@ def cmd_run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: torchspmd run [--nproc N] [--xla-compat] [torchrun options] script.py [args...]\n\n"
-            "Start script.py once per device (N processes on this host; default: every CUDA\n"
-            "device, else $TORCHSPMD_NUM_DEVICES / $CPU_NUM_DEVICES, else 1). Every torchrun\n"
+            "Start script.py once per device (N processes on this host; default:\n"
+            "$TORCHSPMD_NUM_DEVICES, else every CUDA device, else $CPU_NUM_DEVICES, else 1). Every torchrun\n"
             "option works (--nnodes, --rdzv-endpoint, --max-restarts, ...) for multi-host runs.\n"
             "--xla-compat: run a torch_xla SPMD program unchanged (`import torch_xla` resolves\n"
             "to torchspmd; docs/xla_compat.md)."
@@ -63,6 +63,7 @@ def cmd_run(argv: list[str]) -> int:
         nproc = runtime._configured_local_devices(backend)
     if not any(not a.startswith("-") for a in rest):
         raise SpmdError("torchspmd run: name the script to run, e.g. `torchspmd run --nproc 2 train.py`")
+    _check_script(rest)
     if compat:
         rest = _under_compat(rest)
     return _launch.launch(rest, nproc)
@@ -82,6 +83,24 @@ def _script_index(args: list[str]) -> int:
     except SystemExit:
         return len(args)
     return len(args) - len(parsed.training_script_args) - 1
+
+
+def _check_script(args: list[str]) -> None:
+    """A script that does not exist or does not compile fails here, once, before any
+    worker starts (a module run with -m is left to Python)."""
+    i = _script_index(args)
+    if any(o in ("-m", "--module", "--no-python", "--no_python") for o in args[:i]):
+        return
+    path = args[i]
+    if not os.path.isfile(path):
+        raise SpmdError(f"torchspmd run: no such script: {path!r} (from {os.getcwd()})")
+    try:
+        with open(path, "rb") as f:
+            compile(f.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f"{e.filename}, line {e.lineno}" if e.lineno else str(e.filename)
+        text = f"\n    {e.text.rstrip()}" if e.text else ""
+        raise SpmdError(f"torchspmd run: {type(e).__name__} in the script ({where}): {e.msg}{text}") from None
 
 
 def _under_compat(args: list[str]) -> list[str]:
@@ -195,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     except SpmdError as e:
         import torch.distributed as dist
 
-        from torchspmd._launch import record_error
+        from torchspmd._launch import _all_ranks_output, record_error
 
         # Every process of a job raises the same error: rank 0 prints it, once; any other
         # process's error reaches the launcher's summary through its record.
         if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
-                and not os.environ.get("TORCHSPMD_ALL_RANKS_OUTPUT")):
+                and not _all_ranks_output()):
             print(f"torchspmd: {e}", file=sys.stderr)
         record_error(e)  # in a worker: the launcher's summary names it
         return 2

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 _BACKENDS = ("cpu", "cuda", "xla")
-# Environment variables read by the runtime (documented in docs/runtime.md).
+# Environment variables read by the runtime (documented in docs/guide.md).
 ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"  # local processes to use, any device type
 ENV_BACKEND = "TORCHSPMD_BACKEND"  # cpu | cuda | xla
 ENV_ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"  # 1: keep stdout/warnings of every rank
@@ -98,8 +98,9 @@ def _choose_backend(requested: str | None) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     name = name.lower()
     if name not in _BACKENDS:
+        where = f"use_spmd(backend={name!r})" if requested else f"{ENV_BACKEND}={name}"
         raise SpmdError(
-            f"use_spmd(backend={name!r}): unknown backend; choose one of {', '.join(_BACKENDS)} "
+            f"{where}: unknown backend; choose one of {', '.join(_BACKENDS)} "
             f"(or leave it unset to pick cuda when available, else cpu)"
         )
     if name == "xla":
@@ -210,7 +211,9 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     importlib.import_module("torchspmd.sharded_tensor").install()  # torch_xla's XLAShardedTensor attributes
     importlib.import_module("torchspmd.replicate").install_auto()  # (the package's `replicate` is the function)
     _STATE.spmd = True
-    if dist.get_rank() != 0 and not os.environ.get(ENV_ALL_RANKS_OUTPUT):
+    from torchspmd._launch import _all_ranks_output
+
+    if dist.get_rank() != 0 and not _all_ranks_output():
         # The global view: the program prints once, as one process would.
         sys.stdout = open(os.devnull, "w")
         warnings.simplefilter("ignore")
