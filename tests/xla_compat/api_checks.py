@@ -74,6 +74,10 @@ out["counter_names"] = met.counter_names()
 # Sharding strings: annotations and FSDPv2's parameters
 plain = torch.randn(3)
 out["plain_spec"] = torch_xla._XLAC._get_xla_sharding_spec(plain)
+import torch_xla._XLAC  # noqa: E402  (the import forms programs use)
+from torch_xla._XLAC import _get_xla_sharding_spec  # noqa: E402
+
+out["imported_spec"] = _get_xla_sharding_spec(plain)
 strings = []
 if n == 4:
     for shape, names, ids, tshape, spec in sharding_cases.CASES:

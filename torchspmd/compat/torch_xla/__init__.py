@@ -80,12 +80,18 @@ class _XLAC:
         return _hlo.sharding_string(t)
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # (the import system's questions: not a package)
+            raise AttributeError(name)
         from torchspmd.compat import NotProvidedError, _message
 
         raise NotProvidedError(_message(f"torch_xla._XLAC.{name}"))
 
 
 _XLAC = _XLAC()
+# `import torch_xla._XLAC` and `from torch_xla._XLAC import ...` find it as a module would be
+import sys as _sys  # noqa: E402
+
+_sys.modules.setdefault("torch_xla._XLAC", _XLAC)
 
 # As in torch_xla, `import torch_xla` makes these available as attributes.
 from torchspmd.compat.torch_xla import runtime  # noqa: E402
