@@ -2,7 +2,7 @@
 and on torch_xla itself on TPUs (the XLA backend, ``torchspmd/backends/xla.py``).
 
 Write the program for one device, annotate shardings on a named mesh, run it on every
-device. The public API lives here; see DESIGN.md and docs/.
+device. The public API lives here; see README.md and docs/.
 """
 
 from torchspmd._errors import SpmdError
