@@ -51,6 +51,8 @@ RULES = [
     (["--optim.batch_size", "3"], "the micro-batch of 3 sequences (optim.batch_size / optim.grad_accum) is not "
                                   "divisible by the 2 data-parallel devices"),
     (["--optim.max_bad_steps", "0"], "optim.max_bad_steps = 0: must be at least 1"),
+    (["--model.name", "seed", "--model.num_kv_heads", "2"],
+     "model.num_kv_heads = 2: the seed decoder has as many key/value heads as attention heads"),
     (["--mesh.devices", "-2"], "mesh.devices = -2: give the number of devices"),
     (["--mesh.data", "3"], "mesh.data = 3 does not divide the 2 devices"),
     (["--mesh.model", "0"], "mesh.model = 0: must be at least 1"),

@@ -268,12 +268,14 @@ def test_greedy_generate_equals_transformers(trained, transformers_oracle):
     assert sampled.returncode == 0 and sampled.stdout.startswith(PROMPT), sampled.stderr[-3000:]
 
 
-@pytest.mark.parametrize("flags", [("--temperature", "-1"), ("--top-k", "0")])
+@pytest.mark.parametrize("flags", [("--temperature", "-1"), ("--top-k", "0"), ("--tokens", "-3")])
 def test_generate_refuses_a_negative_temperature_or_no_candidates(tmp_path, flags):
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path), *flags],
                        capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.stderr.count("give a temperature of 0 or more (0: greedy) and a top-k of 1 or more") == 1
+    message = "--tokens -3: give the number of tokens to add, 0 or more" if flags[0] == "--tokens" else \
+        "give a temperature of 0 or more (0: greedy) and a top-k of 1 or more"
+    assert r.stderr.count(message) == 1, r.stderr[-3000:]
 
 
 def test_exported_directory_fine_tunes(work, corpus, exported):

@@ -414,6 +414,9 @@ def validate(cfg: TrainConfig) -> None:
         _check_model_name(m.name)
         if m.dim % m.num_heads:
             raise SpmdError(f"model.dim = {m.dim} is not divisible by model.num_heads = {m.num_heads}")
+        if m.name == "seed" and m.num_kv_heads not in (0, m.num_heads):
+            raise SpmdError(f"model.num_kv_heads = {m.num_kv_heads}: the seed decoder has as many key/value heads as "
+                            f"attention heads; leave it 0, or use model.name = 'llama' for grouped-query attention")
         if m.num_kv_heads and m.num_heads % m.num_kv_heads:
             raise SpmdError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = "
                             f"{m.num_kv_heads}; choose a divisor of it (0: as many as attention heads)")

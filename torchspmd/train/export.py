@@ -61,6 +61,8 @@ def generate(path: str, prompt: str, tokens: int, temperature: float = 0.8, top_
     """Continue ``prompt`` by up to ``tokens`` tokens (stopping at end of text): sampled from the
     ``top_k`` most likely at ``temperature``, or greedy (the most likely token, as transformers'
     ``generate(do_sample=False)``) when ``temperature`` is 0 or ``top_k`` is 1."""
+    if tokens < 0:
+        raise SpmdError(f"generate: --tokens {tokens}: give the number of tokens to add, 0 or more")
     if temperature < 0 or top_k < 1:
         raise SpmdError(f"generate: --temperature {temperature:g} --top-k {top_k}: give a temperature of 0 or more "
                         f"(0: greedy) and a top-k of 1 or more")
