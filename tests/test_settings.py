@@ -61,6 +61,7 @@ RULES = [
     (["--checkpoint.every", "0"], "checkpoint.every = 0: must be at least 1"),
     (["--checkpoint.keep", "-1"], "checkpoint.keep = -1: must be at least 0 (checkpoints kept, 0 for all)"),
     (["--checkpoint.resume", "/no/such/checkpoint"], "checkpoint.resume = '/no/such/checkpoint': no such checkpoint"),
+    (["--checkpoint.resume", __file__], f"checkpoint.resume = {__file__!r}: a file, not a checkpoint directory"),
     (["--logging.every", "0"], "logging.every = 0: must be at least 1"),
     (["--logging.eval_every", "0"], "logging.eval_every = 0: must be at least 1"),
     (["--logging.eval_batches", "0"], "logging.eval_batches = 0: must be at least 1"),

@@ -290,7 +290,8 @@ def check(path: str | Path):
     the directory and the small ``.metadata``, so every process reaches the same verdict."""
     path = Path(path)
     if not path.is_dir():
-        raise BadCheckpoint(f"checkpoint {path}: no such directory")
+        raise BadCheckpoint(f"checkpoint {path}: " + ("a file, not a checkpoint directory" if path.exists()
+                                                      else "no such directory"))
     has = {name: (path / name).is_file() for name in (".metadata", "state.pt")}
     if not any(has.values()):
         raise BadCheckpoint(f"checkpoint {path} is not a torchspmd checkpoint (it has neither .metadata nor state.pt); "

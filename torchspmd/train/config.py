@@ -437,7 +437,8 @@ def validate(cfg: TrainConfig) -> None:
                         f"tokenizer.json / transformers tokenizer directory")
     r = cfg.checkpoint.resume
     if r not in ("auto", "none") and not Path(r).is_dir():
-        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory; give a step-NNNNNNNN directory "
+        what = "a file, not a checkpoint directory" if Path(r).exists() else "no such checkpoint directory"
+        raise SpmdError(f"checkpoint.resume = {r!r}: {what}; give a step-NNNNNNNN directory "
                         f"under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) or 'none'")
 
 

@@ -289,7 +289,8 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
         return ckpt.latest_checkpoint(out / "checkpoints")
     p = Path(r)
     if not p.is_dir():
-        raise SpmdError(f"checkpoint.resume = {r!r}: no such checkpoint directory; give a step-NNNNNNNN directory "
+        what = "a file, not a checkpoint directory" if p.exists() else "no such checkpoint directory"
+        raise SpmdError(f"checkpoint.resume = {r!r}: {what}; give a step-NNNNNNNN directory "
                         f"under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) or 'none'")
     return p
 
