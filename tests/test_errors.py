@@ -339,6 +339,9 @@ def _wrong_orders():
         "fsdp_of_function": lambda: ts.FSDPv2(lambda t: t, mesh=mesh),
         "shard_output_not_callable": lambda: ts.FSDPv2(_Net(), mesh, 3),
         "axis_names_string": lambda: ts.Mesh(np.arange(2), (2,), "data"),
+        "checkpoint_of_a_container": lambda: ts.checkpoint_module(nn.ModuleList([nn.Linear(2, 2)])),
+        "minibatch_rows_not_split": lambda: ts.MpDeviceLoader(
+            [torch.zeros(2, 2)], ts.device(), input_sharding=ts.ShardingSpec(mesh, (None, "fsdp"), minibatch=True)),
         "policy_of_a_class": lambda: ts.FSDPv2(_Net(), mesh=mesh, auto_wrap_policy=functools.partial(
             ts.transformer_auto_wrap_policy, transformer_layer_cls=nn.Linear)),
     }
@@ -379,6 +382,10 @@ def test_wrong_order_is_refused_with_the_fix_on_every_rank(dist):
         "fsdp_of_function": ("TypeError", "FSDPv2(module=...): expected an nn.Module, got function", ""),
         "shard_output_not_callable": ("TypeError", "FSDPv2(shard_output=...): expected a callable", "got int"),
         "axis_names_string": ("SpmdError", "Mesh(axis_names='data'): give a tuple of names", "('data',)"),
+        "checkpoint_of_a_container": ("SpmdError", "checkpoint_module: ModuleList has no forward of its own",
+                                      "apply checkpoint_module to each layer inside it"),
+        "minibatch_rows_not_split": ("SpmdError", "a ShardingSpec with minibatch=True must split dim 0",
+                                     "ShardingSpec(mesh, ('fsdp', None), minibatch=True)"),
         "policy_of_a_class": ("SpmdError", "transformer_layer_cls=Linear): give a set of layer classes",
                               "transformer_layer_cls={Linear}"),
     }

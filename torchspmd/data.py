@@ -64,6 +64,11 @@ class _Layout:
         row_axes = {s._resolved[0] if s._resolved else () for s in specs}
         # Axes that split dim 0 (the batch): shared by all specs, else no per-process reading.
         self.row_axes: tuple[int, ...] | None = row_axes.pop() if len(row_axes) == 1 else None
+        if self.minibatch and not self.row_axes:
+            raise SpmdError(
+                f"{who}(input_sharding=...): a ShardingSpec with minibatch=True must split dim 0 (each process's "
+                f"rows) over the data axes: name them first, e.g. ShardingSpec(mesh, ('fsdp', None), minibatch=True)"
+            )
         if self.mesh is not None:
             self.dmesh = self.mesh.device_mesh  # created here, in the main thread, on every rank
             self.coord = _coord_of(self.mesh, dist.get_rank())

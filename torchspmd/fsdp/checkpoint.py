@@ -40,6 +40,11 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         )
     if not isinstance(module, nn.Module):
         raise SpmdError(f"checkpoint_module: expected an nn.Module, got {type(module).__name__}")
+    if getattr(type(module), "forward", None) is nn.Module.forward:
+        raise SpmdError(
+            f"checkpoint_module: {type(module).__name__} has no forward of its own (a container is never called, so "
+            f"nothing would be recomputed); apply checkpoint_module to each layer inside it"
+        )
     if getattr(module, "_torchspmd_checkpointed", False):
         return module
     module.__class__ = _checkpointed_class(type(module))
