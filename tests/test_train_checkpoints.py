@@ -182,8 +182,28 @@ def _state_that_runs_code(p: Path) -> None:
     torch.save({"step": 1, "x": _RunsCode(p / "ran")}, p / "state.pt")
 
 
+def _flip_a_bit(f: Path) -> None:  # the same size: only the checksum can tell
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def _without_checksums(damage):
+    """``damage`` to a checkpoint written before checksums.json (what its readers find)."""
+    def apply(p: Path) -> None:
+        (p / "checksums.json").unlink()
+        damage(p)
+    return apply
+
+
 DAMAGE = {
-    "garbage shard": (lambda p: _garbage(p / "__1_0.distcp"),
+    "flipped bit in a shard": (lambda p: _flip_a_bit(p / "__1_0.distcp"),
+                               "is corrupt: the file __1_0.distcp has changed since it was written (its SHA-256 is "
+                               "not the one in checksums.json)"),
+    "flipped bit in the state": (lambda p: _flip_a_bit(p / "state.pt"),
+                                 "is corrupt: the file state.pt has changed since it was written"),
+    "garbage checksums": (lambda p: _garbage(p / "checksums.json"), "is corrupt: checksums.json cannot be read"),
+    "garbage shard": (_without_checksums(lambda p: _garbage(p / "__1_0.distcp")),
                       "is corrupt: the shard file __1_0.distcp cannot be read"),
     "truncated shard": (lambda p: _truncate(p / "__0_0.distcp"),
                         "is corrupt: the shard file __0_0.distcp is truncated"),
@@ -192,9 +212,9 @@ DAMAGE = {
     "missing metadata": (lambda p: (p / ".metadata").unlink(), "is incomplete: .metadata"),
     "garbage metadata": (lambda p: _garbage(p / ".metadata"), "is corrupt: .metadata cannot be read"),
     "missing state": (lambda p: (p / "state.pt").unlink(), "is incomplete: state.pt"),
-    "garbage state": (lambda p: _garbage(p / "state.pt"), "is corrupt: state.pt cannot be read"),
+    "garbage state": (_without_checksums(lambda p: _garbage(p / "state.pt")), "is corrupt: state.pt cannot be read"),
     # read with weights_only=True: refused, nothing run (a loaded one would have made the file)
-    "state that runs code": (_state_that_runs_code, "_touch, which is not read back"),
+    "state that runs code": (_without_checksums(_state_that_runs_code), "_touch, which is not read back"),
 }
 
 

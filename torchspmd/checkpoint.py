@@ -11,11 +11,17 @@ pruned (each renamed to ``.step-N.pruned`` first, so a half-deleted one is never
 for a checkpoint). So the newest complete checkpoint is always there whole, and a
 ``step-N`` directory is always complete. ``clean`` removes what an interrupted save
 left behind (every process calls it at the start of a job).
+
+``checksums.json`` holds the SHA-256 of every other file, computed as the save wrote them
+(the shards' split over the processes): a file changed since (a flipped bit keeps its
+size) is found before anything is loaded. Checkpoints without it (written before it
+existed) are checked by size alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -58,6 +64,28 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+CHECKSUMS = "checksums.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hashes(folder: Path, names: list[str], collective: bool) -> dict[str, str]:
+    """SHA-256 of the files ``names`` (sorted alike everywhere) in ``folder``; with
+    ``collective`` every process hashes its share and all get every hash."""
+    if not (collective and dist.is_initialized() and _world() > 1):
+        return {n: _sha256(folder / n) for n in names}
+    mine = {n: _sha256(folder / n) for n in names[_rank()::_world()]}
+    parts: list = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {n: h for part in parts for n, h in part.items()}
 
 
 def _step_of(path: Path) -> int:
@@ -244,13 +272,19 @@ def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], c
         dcp.save(sd, storage_writer=(_KillingWriter if kill else dcp.FileSystemWriter)(str(tmp)))
     if _fail_after_shards:  # tests: a crash between the shards and the rest
         raise RuntimeError("simulated crash during checkpoint save")
+    # (DCP's save returns once its .metadata is written: every process can read it)
+    shards = sorted(_storage_files(dcp.FileSystemReader(str(tmp)).read_metadata()))
+    sums = _hashes(tmp, [".metadata", *shards], collective=True)
     if _rank() == 0:
         buf = io.BytesIO()
         torch.save(state, buf)
-        _write_synced(tmp / "state.pt", buf.getvalue())
-        _write_synced(tmp / "config.toml", config_toml.encode())
-        _write_synced(tmp / "meta.json", json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
-                                                     if runtime.is_spmd() else 1}).encode())
+        files = {"state.pt": buf.getvalue(), "config.toml": config_toml.encode(),
+                 "meta.json": json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
+                                          if runtime.is_spmd() else 1}).encode()}
+        for name, data in files.items():
+            _write_synced(tmp / name, data)
+            sums[name] = hashlib.sha256(data).hexdigest()
+        _write_synced(tmp / CHECKSUMS, json.dumps(dict(sorted(sums.items())), indent=1).encode())
         _fsync_dir(tmp)
         _kill_if(_kill_at, "before-rename", 0)
         aside = None
@@ -284,10 +318,12 @@ def _storage_files(meta) -> dict[str, int]:
     return need
 
 
-def check(path: str | Path):
-    """Check that ``path`` is a complete checkpoint whose files are all there at full size,
-    and return its DCP metadata; raise ``BadCheckpoint`` naming what is wrong. It only reads
-    the directory and the small ``.metadata``, so every process reaches the same verdict."""
+def check(path: str | Path, collective: bool = True):
+    """Check that ``path`` is a complete checkpoint whose files are all there at full size
+    and, where it has ``checksums.json``, unchanged since they were written; return its DCP
+    metadata; raise ``BadCheckpoint`` naming what is wrong. Every process of the group
+    calls it (``collective``: the hashing is split over them, and each sees every hash),
+    so every process reaches the same verdict; ``collective=False``: this process alone."""
     path = Path(path)
     if not path.is_dir():
         raise BadCheckpoint(f"checkpoint {path}: " + ("a file, not a checkpoint directory" if path.exists()
@@ -314,6 +350,19 @@ def check(path: str | Path):
         if have < size:
             raise BadCheckpoint(f"checkpoint {path} is corrupt: the shard file {name} is truncated "
                                 f"({have} bytes, its index needs {size})")
+    if (path / CHECKSUMS).is_file():
+        try:
+            expected = json.loads((path / CHECKSUMS).read_text())
+            assert isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
+        except Exception:
+            raise BadCheckpoint(f"checkpoint {path} is corrupt: {CHECKSUMS} cannot be read") from None
+        names = sorted(n for n in expected if (path / n).is_file())
+        got = _hashes(path, names, collective)
+        changed = [n for n in names if got[n] != expected[n]]
+        if changed:
+            raise BadCheckpoint(f"checkpoint {path} is corrupt: the file {changed[0]} has changed since it was written "
+                                f"(its SHA-256 is not the one in {CHECKSUMS})"
+                                + (f", and {len(changed) - 1} more" if len(changed) > 1 else ""))
     return meta
 
 
@@ -424,7 +473,7 @@ def load(path: str | Path, model, optimizer) -> dict:
 def load_full_model_state(path: str | Path, model: torch.nn.Module) -> None:
     """Load a checkpoint's model weights into a plain (unsharded) model in this one
     process, without a process group (for export and sampling)."""
-    check(path)
+    check(path, collective=False)
     sd = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():
