@@ -40,7 +40,7 @@ def _model(kind):
 @pytest.mark.parametrize("kind", sorted(ARCHS))
 def test_layer_class_for_each_architecture(kind):
     args = fsdp_v2.get_fsdp_training_args(_model(kind))
-    assert args == {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": [ARCHS[kind]], "xla": True,
+    assert args == {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": [ARCHS[kind]], "xla": True,
                                                           "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}}
 
 
@@ -75,3 +75,15 @@ def test_no_layer_found_names_layer_cls_to_wrap():
 def test_get_fsdp_config_shape():
     assert fsdp_v2.get_fsdp_config("A", "B") == {"transformer_layer_cls_to_wrap": ["A", "B"], "xla": True,
                                                  "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True}
+
+
+def test_training_arguments_take_them_without_a_warning(tmp_path):
+    # optimum-tpu's 'fsdp': 'full_shard' makes transformers (>= 5.20) log a deprecation warning
+    from transformers.testing_utils import CaptureLogger
+
+    logger = transformers.utils.logging.get_logger("transformers.training_args")
+    with CaptureLogger(logger) as captured:
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                              **fsdp_v2.get_fsdp_training_args(_model("llama")))
+    assert captured.out == ""
+    assert args.fsdp is True and args.fsdp_config["xla_fsdp_v2"] is True

@@ -3,8 +3,11 @@
     from torchspmd.hf import fsdp_v2
     fsdp_v2.use_fsdp_v2()
     args = fsdp_v2.get_fsdp_training_args(model)
-    # {'fsdp': 'full_shard', 'fsdp_config': {'transformer_layer_cls_to_wrap': ['LlamaDecoderLayer'],
+    # {'fsdp': True, 'fsdp_config': {'transformer_layer_cls_to_wrap': ['LlamaDecoderLayer'],
     #   'xla': True, 'xla_fsdp_v2': True, 'xla_fsdp_grad_ckpt': True}}
+
+optimum-tpu gives ``'fsdp': 'full_shard'``; transformers 5.20 and later log a deprecation
+warning for a string there (on every process) and take ``fsdp=True`` for the same thing.
 
 The layer class to wrap comes from ``layer_cls_to_wrap`` if given, else from the model:
 its ``_no_split_modules`` (a set in transformers 5, a list in 4), else the class of the
@@ -108,7 +111,8 @@ def get_fsdp_training_args(model: nn.Module, layer_cls_to_wrap: Iterable[str] | 
         missing = [n for n in names if (n if isinstance(n, str) else n.__name__) not in present]
         if missing:
             raise SpmdError(f"layer_cls_to_wrap={names!r}: {missing[0]!r} is not a module class of this model")
-    return {"fsdp": "full_shard", "fsdp_config": get_fsdp_config(*names, model_axis=model_axis)}
+    # (True, not optimum-tpu's 'full_shard': transformers >= 5.20 warns that a string is deprecated)
+    return {"fsdp": True, "fsdp_config": get_fsdp_config(*names, model_axis=model_axis)}
 
 
 # transformers' tensor-parallel styles, as sharding annotations of the module's weight (and
