@@ -256,3 +256,42 @@ def test_rows_collated_to_different_shapes_are_an_error_on_every_rank(dist, case
                                   "different processes (sizes averaging 3.5): each process collated only its own "
                                   "rows"), message
         assert "ts.shard_batch(batch, input_sharding)" in message
+
+
+def _fixed_batch_size(batchdim):
+    # time-major batches (sequence, batch): their rows are on dim 1; the last batch has 2 rows
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(5, rows, generator=g) for rows in (3, 3, 2)]
+    mesh = _mesh()
+    dl = ts.MpDeviceLoader(batches, ts.device(), input_sharding=ts.ShardingSpec(mesh, (None, "data")),
+                           batchdim=batchdim, fixed_batch_size=True)
+    try:
+        return [b.full_tensor() for b in dl]
+    except ts.SpmdError as e:
+        return str(e)
+
+
+def test_fixed_batch_size_counts_rows_on_the_batch_dim(dist):
+    g = torch.Generator().manual_seed(3)
+    want = [torch.randn(5, rows, generator=g) for rows in (3, 3, 2)][:2]  # the odd last batch is dropped
+    for got in dist(2).run(_fixed_batch_size, 1) + dist(2).run(_fixed_batch_size, -1):
+        assert len(got) == 2
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # batchdim 0 sees every batch with 5 rows: nothing dropped
+    assert [len(got) for got in dist(2).run(_fixed_batch_size, 0)] == [3, 3]
+    message = same_on_every_rank(dist(2).run(_fixed_batch_size, 2))
+    assert message == "MpDeviceLoader(batchdim=2): the batch's first tensor has 2 dims (shape (5, 3)); give the " \
+                      "dim its rows are on", message
+
+
+def _batchdim_not_an_int():
+    try:
+        ts.MpDeviceLoader([torch.ones(2, 2)], ts.device(), batchdim="0")
+    except ts.SpmdError as e:
+        return str(e)
+
+
+def test_batchdim_must_be_an_int(dist):
+    message = same_on_every_rank(dist(2).run(_batchdim_not_an_int))
+    assert message == "MpDeviceLoader(batchdim='0'): give the batch dim as an int (0: the first)", message

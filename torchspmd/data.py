@@ -224,6 +224,8 @@ class MpDeviceLoader(metaclass=OnXla):
                 f"MpDeviceLoader(input_sharding=...): expected a ShardingSpec, a dict of them, or None; "
                 f"got {type(input_sharding).__name__}"
             )
+        if type(batchdim) is not int:
+            raise SpmdError(f"MpDeviceLoader(batchdim={batchdim!r}): give the batch dim as an int (0: the first)")
         self._loader = loader
         self._device = torch.device(device)
         self._layout = _Layout(input_sharding)
@@ -333,8 +335,8 @@ class _Iterator:
             if first and isinstance(first[0], _Error):
                 raise first[0].exc
             for n, batch in enumerate(itertools.chain(first, source) if first else ()):
-                size = self._batch_rows(batch)
                 if self.owner._fixed:
+                    size = self._batch_rows(batch)
                     if self.first_size is None:
                         self.first_size = size
                     elif size != self.first_size:
@@ -347,11 +349,19 @@ class _Iterator:
             self._put(_Error(e))
 
     def _batch_rows(self, batch) -> int | None:
+        """The batch's size: the size along ``batchdim`` of its first tensor (torch_xla's
+        rule), for ``fixed_batch_size``."""
         if self.slicer is not None and self.slicer.global_sizes:
             return self.slicer.global_sizes[0]
-        sizes = []
-        _map_batch(batch, lambda k, t: sizes.append(t.shape[0]) if t.dim() else None)
-        return sizes[0] if sizes else None
+        tensors = []
+        _map_batch(batch, lambda k, t: tensors.append(t) if t.dim() else None)
+        if not tensors:
+            return None
+        dim = self.owner._batchdim
+        if not -tensors[0].dim() <= dim < tensors[0].dim():
+            raise SpmdError(f"MpDeviceLoader(batchdim={dim}): the batch's first tensor has "
+                            f"{tensors[0].dim()} dims (shape {tuple(tensors[0].shape)}); give the dim its rows are on")
+        return tensors[0].shape[dim]
 
     def _shard(self, batch, n: int):
         global_rows = self.slicer.global_sizes.popleft() if self.slicer is not None else None
