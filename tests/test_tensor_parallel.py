@@ -108,8 +108,14 @@ def _train(wrap, shape, style, batch, kind="mlp"):
                 whole=whole, act=acts[0], layouts=layouts)
 
 
+@functools.lru_cache(maxsize=None)
+def _oracle(kind, batch):
+    """One device's run, in a clean process: once per (model, batch) for this test runner."""
+    return run_clean(M.oracle, kind, batch)
+
+
 def _check_against_oracle(results, kind, batch):
-    ref_losses, ref_grads, ref_final = run_clean(M.oracle, kind, batch)
+    ref_losses, ref_grads, ref_final = _oracle(kind, batch)
     r0 = results[0]
     for r in results:
         np.testing.assert_allclose(r["losses"], ref_losses, rtol=RTOL, atol=ATOL)
