@@ -317,6 +317,16 @@ def _wrong_orders():
         assert not torch.equal(before, net.fc1.weight.full_tensor())
         ts.FSDPv2(nn.Sequential(ts.FSDPv2(_Net(), mesh=mesh)), mesh=mesh)  # nested, inner first: fine
 
+    def opt_group_added_later():  # checked once, then a group holding a replaced parameter added
+        other = _Net()
+        old = other.fc1.weight
+        ts.FSDPv2(other, mesh=mesh)  # replaces it
+        net = ts.FSDPv2(_Net(), mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        step(net, opt)
+        opt.add_param_group({"params": [old]})
+        step(net, opt)
+
     def fsdp_inside_wrapped():
         net = _Net()
         ts.FSDPv2(net, mesh=mesh)
@@ -331,6 +341,7 @@ def _wrong_orders():
         "opt_before_fsdp": opt_before_fsdp,
         "opt_before_mark": opt_before_mark,
         "opt_after": opt_after,
+        "opt_group_added_later": opt_group_added_later,
         "fsdp_of_replicate": lambda: ts.FSDPv2(ts.replicate(_Net(), mesh), mesh=mesh),
         "replicate_of_fsdp": lambda: ts.replicate(ts.FSDPv2(_Net(), mesh=mesh), mesh),
         "replicate_annotated": lambda: _replicate_annotated(mesh),
@@ -372,6 +383,8 @@ def test_wrong_order_is_refused_with_the_fix_on_every_rank(dist):
                             "replaced with its shard", "Build the optimizer after wrapping"),
         "opt_before_mark": ("SpmdError", "SGD.step(): this optimizer holds a parameter that mark_sharding replaced",
                             "optimizer = torch.optim.SGD(model.parameters(), ...)"),
+        "opt_group_added_later": ("SpmdError", "SGD.step(): this optimizer holds parameter 'fc1.weight', which "
+                                  "FSDPv2 replaced with its shard", "Build the optimizer after wrapping"),
         "fsdp_of_replicate": ("SpmdError", "was made data-parallel by ts.replicate", "Wrap the plain model"),
         "replicate_of_fsdp": ("SpmdError", "replicate: parameter 'fc1.weight' is sharded", "Leave it out"),
         "replicate_annotated": ("SpmdError", "replicate: parameter 'fc1.weight' is sharded", "Leave it out"),

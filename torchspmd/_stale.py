@@ -53,11 +53,11 @@ def made_by_fsdp(p: torch.Tensor) -> bool:
 
 
 def _check(optimizer, args, kwargs):
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    key = (len(params), _generation)
+    # (what the check depends on, per group, not per parameter: a step costs O(groups) here)
+    key = (_generation, tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups))
     if _checked.get(optimizer) == key:
         return None
-    for p in params:
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
         how = replaced(p)
         if how is not None:
             name = type(optimizer).__name__
