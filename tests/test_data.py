@@ -161,9 +161,26 @@ def _divergent_seeds():
     return None
 
 
+def _split_by_process():
+    # a torch_xla multi-host habit: each process samples its part of the data
+    from torch.utils.data import DistributedSampler
+
+    ds = Counting(20)
+    sampler = DistributedSampler(ds, num_replicas=torch.distributed.get_world_size(),
+                                 rank=torch.distributed.get_rank(), shuffle=False)
+    try:
+        iter(ts.MpDeviceLoader(DataLoader(ds, batch_size=4, sampler=sampler), ts.device(),
+                               input_sharding=ts.ShardingSpec(_mesh(), ("data", None))))
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
 def test_processes_must_draw_the_same_batches(dist):
     msgs = dist(2).run(_divergent_seeds)
     assert all(m and "torch.manual_seed" in m for m in msgs)
+    msg = same_on_every_rank(dist(2).run(_split_by_process))
+    assert msg and "DistributedSampler" in msg and "minibatch=True" in msg, msg
 
 
 def _minibatch():

@@ -280,7 +280,11 @@ class _Iterator:
             raise SpmdError(
                 "MpDeviceLoader: the processes drew different global batches from the loader's sampler. "
                 "Seed torch the same way on every process before iterating (torch.manual_seed(seed)), "
-                "or give the DataLoader a generator with a fixed seed"
+                "or give the DataLoader a generator with a fixed seed. A sampler that splits the data by "
+                "process (DistributedSampler(num_replicas=xr.process_count(), ...): one process per device "
+                "here, one per host on torch_xla) gives each process other batches: leave it out (the loader "
+                "yields the global batch, every process alike), or give the spec minibatch=True (each "
+                "process's loader yields its own rows of the global batch)"
             )
 
     def __iter__(self):
