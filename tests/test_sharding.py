@@ -190,3 +190,32 @@ def test_visualize_sharding_shows_device_blocks(dist):
     text = dist(4).run(_visualize, ("data", None))[0]
     lines = [l for l in text.splitlines() if "CPU" in l]
     assert "CPU 0,1" in lines[0] and "CPU 2,3" in lines[1]
+
+
+def _visualize_text(texts):
+    from rich.console import Console
+
+    out = []
+    for text in texts:
+        try:
+            table = ts.visualize_sharding(text, use_color=False)
+        except ts.SpmdError as e:
+            out.append(str(e))
+            continue
+        console = Console(record=True, width=60)
+        console.print(table)
+        out.append([l.replace("│", "|").split("|")[1:-1] for l in console.export_text().splitlines() if "CPU" in l])
+    return out
+
+
+def test_visualize_sharding_of_an_hlo_text_as_torch_xla_takes_it(dist):
+    got = same_on_every_rank(dist(4).run(_visualize_text, [
+        "{devices=[2,2]0,1,2,3}", "{devices=[4]3,2,1,0}", "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}",
+        "{replicated}", "", "{devices=[2,2]0,1,2}", "mesh"]))
+    cells = [[[c.strip() for c in row] for row in table] for table in got[:5]]
+    assert cells[0] == [["CPU 0", "CPU 1"], ["CPU 2", "CPU 3"]]
+    assert cells[1] == [["CPU 3", "CPU 2", "CPU 1", "CPU 0"]]  # a 1-D layout: one row
+    assert cells[2] == [["CPU 0,2"], ["CPU 1,3"]]  # each tile's copies in one cell
+    assert cells[3] == cells[4] == [["CPU 0,1,2,3"]]
+    assert got[5].startswith("visualize_sharding('{devices=[2,2]0,1,2}'): 3 device ids for tile dims [2, 2]")
+    assert got[6].startswith("visualize_sharding('mesh'): not a sharding text; give a tensor, or a sharding text")

@@ -198,6 +198,17 @@ def test_libraries_are_not_misled_and_trainers_are_torchspmds(api):
     assert api["trainer_is_ours"] and api["sft_is_ours"]
 
 
+def test_smaller_names_programs_use(api):
+    # a name the layer lacks is absent to a probe, as one torch_xla lacks
+    assert api["probes"] == [False, "default", False]
+    assert api["initialize_cache"] is None
+    assert api["device_count"] == [4, ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]]  # torch_xla's under SPMD: the host's
+    assert api["xla_sharding_names"] == [True, True]
+    assert api["rendezvous"] == [f"rank {r}" for r in range(4)]  # each process's payload, in rank order
+    assert api["checkpoint_grad_equal"]
+    assert api["visualized"] == [2, 1]  # dim 0 in 2 tiles (over 'b'), each on 2 devices: 2 rows, 1 column
+
+
 EQUIVALENT = {
     "xmp.spawn": "torchspmd run --xla-compat --nproc N",
     "torch_xla.launch": "torchspmd run --xla-compat --nproc N",
@@ -210,17 +221,28 @@ EQUIVALENT = {
     "use_spmd(auto=True)": "xs.mark_sharding",
     "_XLAC._xla_get_default_device": None,
     "profiler.trace": "start_trace",
+    "xm.set_rng_state": "torch.manual_seed(seed)",
+    "from xs import XLAShardedTensor": "DTensor",
 }
+LOOKED_UP = {"xm.all_reduce", "_XLAC._xla_get_default_device", "xm.set_rng_state"}  # attribute lookups, not imports
 
 
 @pytest.mark.parametrize("api_name", sorted(EQUIVALENT))
 def test_each_unprovided_api_names_itself_and_its_equivalent(api, api_name):
-    kind, is_import_error, text = api["errors"][api_name]
-    assert is_import_error and "is not provided under --xla-compat" in text, text
-    assert kind in ("NotProvidedError", "ModuleNotFoundError")
+    kind, is_import_error, is_attribute_error, text = api["errors"][api_name]
+    assert "is not provided under --xla-compat" in text, text
+    if api_name in LOOKED_UP:  # an AttributeError: hasattr() is False, getattr(m, name, default) the default
+        assert kind == "NotProvidedAttributeError" and is_attribute_error and not is_import_error, kind
+    else:  # an ImportError: `from m import name` shows this message, not a bare "cannot import name"
+        assert kind in ("NotProvidedError", "ModuleNotFoundError") and is_import_error, kind
     if EQUIVALENT[api_name]:
         assert EQUIVALENT[api_name] in text, text
     assert api["private_is_attribute_error"]
+
+
+def test_a_rendezvous_of_some_processes_is_refused(api):
+    kind, _, _, text = api["errors"]["rendezvous of some"]
+    assert kind == "SpmdError" and "rendezvous(replicas=[0])" in text and "leave replicas empty" in text, text
 
 
 def test_without_the_switch_nothing_changes():

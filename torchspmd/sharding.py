@@ -15,9 +15,11 @@ divide evenly is split like ``torch.chunk``: every device but the last ones gets
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Tuple, Union
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -356,14 +358,44 @@ class ShardingSpec(metaclass=OnXla):
         return mark_sharding(t, self.mesh, self.partition_spec)
 
 
-@on_xla
-def visualize_sharding(t: DTensor, use_color: bool = True):
-    """Print which device holds which block of a 1-D or 2-D tensor; returns the rich table."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+def _cells_of_hlo(text: str) -> dict[tuple, list[int]]:
+    """The device grid of an HLO sharding text (``{devices=[2,2]0,1,2,3}``, ``... last_tile_dim_replicate}``,
+    ``{replicated}``, ``''``), by its first two tile dims: ``{((row, 1), (col, 1)): devices}``."""
+    def bad(why: str) -> SpmdError:
+        return SpmdError(f"visualize_sharding({text!r}): {why}; give a tensor, or a sharding text such as "
+                         f"'{{devices=[2,1]0,1}}' (torch_xla._XLAC._get_xla_sharding_spec(t))")
 
+    body = text.strip()
+    if body in ("", "{replicated}"):
+        return {((0, 1), (0, 1)): list(range(runtime.global_runtime_device_count()))}
+    if not (body.startswith("{devices=[") and body.endswith("}") and "]" in body):
+        raise bad("not a sharding text")
+    replicate = body.endswith(" last_tile_dim_replicate}")
+    dims_text, ids_text = body[len("{devices=["):].split("]", 1)
+    ids_text = ids_text[: -len(" last_tile_dim_replicate}")] if replicate else ids_text[:-1]
+    try:
+        dims = [int(d) for d in dims_text.split(",")]
+        ids = [int(i) for i in ids_text.split(",")]
+    except ValueError:
+        raise bad("its tile dims and device ids must be integers") from None
+    if math.prod(dims) != len(ids) or any(d < 1 for d in dims) or (replicate and len(dims) < 2):
+        raise bad(f"{len(ids)} device ids for tile dims {dims}")
+    tiles = dims[:-1] if replicate else dims
+    grid = np.array(ids).reshape(tiles + [-1])  # the last axis: each tile's copies (one without)
+    if len(tiles) == 1:
+        grid = grid[None]  # a 1-D layout: one row
+    rows, cols = grid.shape[0], grid.shape[1]
+    grid = grid.reshape(rows, cols, -1)  # deeper tile dims: their devices in the cell of the first two
+    return {((r, 1), (c, 1)): sorted(int(d) for d in grid[r, c]) for r in range(rows) for c in range(cols)}
+
+
+@on_xla
+def visualize_sharding(t: DTensor | str, use_color: bool = True):
+    """Print which device holds which block of a 1-D or 2-D tensor; returns the rich table.
+    ``t`` may also be an HLO sharding text, as torch_xla's ``visualize_sharding`` takes
+    (its first two tile dims are shown)."""
+    if isinstance(t, str):
+        return _render_cells(_cells_of_hlo(t), runtime.device_type().upper(), use_color)
     if not isinstance(t, DTensor):
         raise SpmdError("visualize_sharding: t is not sharded (not a DTensor); call mark_sharding first")
     if t.ndim not in (1, 2):
@@ -384,11 +416,20 @@ def visualize_sharding(t: DTensor, use_color: bool = True):
         if any(length == 0 for _, length in block):
             continue
         cells.setdefault(tuple(block), []).append(rank)
+    return _render_cells(cells, dmesh.device_type.upper(), use_color)
+
+
+def _render_cells(cells: dict[tuple, list[int]], kind: str, use_color: bool):
+    """A table of ``{(row block, col block): devices}``, each block ``(start, length)``."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     rows = sorted({b[0] for b in cells})
     cols = sorted({b[1] for b in cells})
     table = Table(show_header=False, show_lines=True, box=box.SQUARE, padding=(0, 1))
     palette = ["red", "green", "blue", "magenta", "cyan", "yellow", "bright_red", "bright_green"]
-    kind = dmesh.device_type.upper()
     for c in cols:
         table.add_column(justify="center", ratio=max(1, c[1]))
     for r in rows:

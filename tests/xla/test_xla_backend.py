@@ -143,6 +143,8 @@ def test_visualize_and_clear_sharding(ts, capsys):
     ts.visualize_tensor_sharding(t, use_color=False)
     shown = capsys.readouterr().out
     assert all(f"CPU {i}" in shown for i in range(4))  # torch_xla's table: one block per device
+    ts.visualize_sharding(seen(t), use_color=False)  # the HLO text, as torch_xla's visualize_sharding takes
+    assert capsys.readouterr().out.count("CPU ") == 4
     assert ts.clear_sharding(t) is t and seen(t) == ""
 
 

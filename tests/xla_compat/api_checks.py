@@ -147,6 +147,41 @@ import trl  # noqa: E402
 
 out["sft_is_ours"] = issubclass(trl.SFTTrainer, hf_trainer.Trainer)
 
+# Smaller names programs use
+import torch_xla.distributed.spmd.debugging as debugging  # noqa: E402
+from torch_xla.distributed.spmd.xla_sharding import Mesh as ShardingMesh, mark_sharding as sharding_mark  # noqa: E402
+from torch_xla.utils.checkpoint import checkpoint  # noqa: E402
+
+rank = xr.process_index()
+out["probes"] = [hasattr(xs, "wrap_as_sharded_tensor"), getattr(xr, "no_such_name", "default"),
+                 hasattr(torch_xla._XLAC, "_xla_no_such_function")]
+out["initialize_cache"] = xr.initialize_cache(os.path.join(sys.argv[2], "xla_cache"), readonly=False)
+out["device_count"] = [torch_xla.device_count(), torch_xla.real_devices()]
+out["xla_sharding_names"] = [ShardingMesh is xs.Mesh, sharding_mark is xs.mark_sharding]
+out["rendezvous"] = [payload.decode() for payload in xm.rendezvous("payloads", f"rank {rank}".encode())]
+xm.rendezvous("barrier")
+xm.master_print("MASTER_PRINT local", local=True, flush=True)
+xm.master_print("MASTER_PRINT global")
+lin3 = nn.Linear(3, 3)
+xs.apply_backward_optimization_barrier(lin3)
+x3 = torch.randn(2, 3, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+checkpoint(lin3, x3).pow(2).sum().backward()
+grad_ckpt = lin3.weight.grad.clone()
+lin3.weight.grad = None
+xm.optimization_barrier_([x3])
+lin3(x3).pow(2).sum().backward()
+out["checkpoint_grad_equal"] = bool(torch.equal(grad_ckpt, lin3.weight.grad))
+opt3 = torch.optim.SGD(lin3.parameters(), lr=0.1)
+xm.optimizer_step(opt3, groups=None)
+counted = torch_xla.compile(lambda: None, max_different_graphs=1)
+counted()
+if n == 4:
+    mesh2 = xs.Mesh(np.arange(n), (2, 2), ("a", "b"))
+    table = debugging.visualize_sharding(
+        torch_xla._XLAC._get_xla_sharding_spec(xs.mark_sharding(torch.randn(4, 6), mesh2, ("b", None))),
+        use_color=False)
+    out["visualized"] = [table.row_count, len(table.columns)]
+
 # APIs the layer does not provide
 
 
@@ -154,12 +189,12 @@ def error_of(fn):
     try:
         fn()
     except Exception as e:  # noqa: BLE001
-        return [type(e).__name__, isinstance(e, ImportError), str(e)]
+        return [type(e).__name__, isinstance(e, ImportError), isinstance(e, AttributeError), str(e)]
     return None
 
 
 def from_import(module, name):
-    return lambda: getattr(importlib.import_module(module), name)
+    return lambda: exec(f"from {module} import {name}", {})
 
 
 out["errors"] = {
@@ -174,6 +209,10 @@ out["errors"] = {
     "use_spmd(auto=True)": error_of(lambda: xr.use_spmd(auto=True)),
     "_XLAC._xla_get_default_device": error_of(lambda: torch_xla._XLAC._xla_get_default_device()),
     "profiler.trace": error_of(lambda: xp.trace("localhost:9012", d)),
+    "xm.set_rng_state": error_of(lambda: xm.set_rng_state(0)),
+    "from xs import XLAShardedTensor": error_of(
+        lambda: exec("from torch_xla.distributed.spmd import XLAShardedTensor", {})),
+    "rendezvous of some": error_of(lambda: xm.rendezvous("some", replicas=[0])),
 }
 out["private_is_attribute_error"] = not hasattr(xm, "_no_such_private_name")
 

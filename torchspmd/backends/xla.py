@@ -357,10 +357,12 @@ def _renumber(text: str, device_ids: np.ndarray) -> str:
     return head + "]" + ",".join(ids) + suffix
 
 
-def visualize_sharding(t: torch.Tensor, use_color: bool = True):
-    from torch_xla.distributed.spmd.debugging import visualize_tensor_sharding
+def visualize_sharding(t: torch.Tensor | str, use_color: bool = True):
+    from torch_xla.distributed.spmd import debugging
 
-    return visualize_tensor_sharding(getattr(t, "global_tensor", t), use_color=use_color)
+    if isinstance(t, str):  # an HLO sharding text, as torch_xla's visualize_sharding takes
+        return debugging.visualize_sharding(t, use_color=use_color)
+    return debugging.visualize_tensor_sharding(getattr(t, "global_tensor", t), use_color=use_color)
 
 
 visualize_tensor_sharding = visualize_sharding

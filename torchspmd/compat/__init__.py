@@ -26,7 +26,7 @@ import sys
 
 from torchspmd._errors import SpmdError
 
-__all__ = ["install", "active", "NotProvidedError", "not_provided", "real_torch_xla"]
+__all__ = ["install", "active", "NotProvidedError", "NotProvidedAttributeError", "not_provided", "real_torch_xla"]
 
 ENV_ACTIVE = "TORCHSPMD_XLA_COMPAT"  # set in processes running under the switch (and their children)
 _PREFIXES = {"torch_xla": "torchspmd.compat.torch_xla", "optimum.tpu": "torchspmd.compat.optimum_tpu"}
@@ -47,7 +47,12 @@ EQUIVALENTS = {
                                                "torch.distributed.reduce_scatter_tensor",
     "torch_xla.core.xla_model.reduce_gradients": "nothing: under SPMD gradients are already those of the "
                                                  "global batch",
-    "torch_xla.core.xla_model.rendezvous": "torch.distributed.barrier()",
+    "torch_xla.core.xla_model.set_rng_state": "torch.manual_seed(seed) (every process draws alike after "
+                                              "use_spmd)",
+    "torch_xla.core.xla_model.get_rng_state": "torch.get_rng_state() / torch.initial_seed()",
+    "torch_xla.distributed.spmd.XLAShardedTensor": "torch.distributed.tensor.DTensor (what xs.mark_sharding "
+                                                   "returns here)",
+    "torch_xla.distributed.spmd.wrap_as_sharded_tensor": "xs.mark_sharding (it returns the sharded tensor)",
     "torch_xla.core.xla_model.mesh_reduce": "plain tensor arithmetic on global values (the program sees one "
                                             "device)",
     "torch_xla.distributed.parallel_loader.ParallelLoader": "torch_xla.distributed.parallel_loader.MpDeviceLoader",
@@ -69,6 +74,25 @@ class NotProvidedError(SpmdError, ImportError):
     ``from torch_xla.x import y`` reports it as is.)"""
 
 
+class NotProvidedAttributeError(SpmdError, AttributeError):
+    """The same, for a name looked up rather than imported: an ``AttributeError``, so that
+    ``hasattr(xs, name)`` is False and ``getattr(xs, name, default)`` gives the default, as
+    for a name torch_xla lacks. (``from m import name`` turns an ``AttributeError`` into a
+    bare "cannot import name", which is why the import form raises ``NotProvidedError``.
+    Python allows no class that is both.)"""
+
+
+def _imported_from() -> bool:
+    """Whether the module ``__getattr__`` two frames up serves a ``from m import name``."""
+    import dis
+
+    try:
+        frame = sys._getframe(2)
+        return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "IMPORT_FROM"
+    except (AttributeError, IndexError, ValueError):
+        return True
+
+
 def _message(api: str) -> str:
     eq = EQUIVALENTS.get(api)
     text = (f"{api} is not provided under --xla-compat (torchspmd runs torch_xla SPMD programs on PyTorch's "
@@ -87,7 +111,8 @@ def not_provided(module: str, provided=()):
         if name.startswith("_") or _is_module(f"{real}.{name}"):
             # (a submodule not imported yet: the import system asks before loading it)
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        raise NotProvidedError(_message(f"{module}.{name}"))
+        error = NotProvidedError if _imported_from() else NotProvidedAttributeError
+        raise error(_message(f"{module}.{name}"))
 
     return __getattr__
 

@@ -23,13 +23,18 @@ def devices() -> list[torch.device]:
     return [device()]
 
 
-def device_count() -> int:
-    """Devices this program addresses as one: 1 under SPMD, as torch_xla says."""
-    return 1
-
-
 def real_devices() -> list[str]:
-    return [str(device())]
+    """The devices of this host, as torch_xla names them under SPMD (``['CPU:0', 'CPU:1']``):
+    ``xr.device_type()`` and an index, one per process torchspmd runs here."""
+    from torchspmd.compat.torch_xla import runtime as xr
+
+    return [f"{xr.device_type()}:{i}" for i in range(xr.addressable_runtime_device_count())]
+
+
+def device_count() -> int:
+    """``len(real_devices())``, as torch_xla: the devices of this host (2 under SPMD on 2
+    devices; it is ``devices()`` that lists the program's one device)."""
+    return len(real_devices())
 
 
 def step():
@@ -44,13 +49,13 @@ def sync(wait: bool = False, reset_scope: bool = True) -> None:
         torch.cuda.synchronize()
 
 
-def compile(f=None, full_graph: bool = False, name: str | None = None, num_different_graphs_allowed=None):
+def compile(f=None, full_graph: bool = False, name: str | None = None, max_different_graphs: int | None = None):
     """``torch_xla.compile(fn)``: ``fn`` runs as one step (eagerly on the native engine;
     ``torch.compile`` is PyTorch's compiler if wanted). Usable as a decorator, with or
-    without arguments."""
+    without arguments; ``full_graph`` and ``max_different_graphs`` (limits on XLA's
+    tracing) have nothing to limit here."""
     if f is None:
-        return functools.partial(compile, full_graph=full_graph, name=name,
-                                 num_different_graphs_allowed=num_different_graphs_allowed)
+        return functools.partial(compile, full_graph=full_graph, name=name, max_different_graphs=max_different_graphs)
 
     @functools.wraps(f)
     def run(*args, **kwargs):
@@ -82,9 +87,10 @@ class _XLAC:
     def __getattr__(self, name):
         if name.startswith("__"):  # (the import system's questions: not a package)
             raise AttributeError(name)
-        from torchspmd.compat import NotProvidedError, _message
+        from torchspmd.compat import NotProvidedAttributeError, NotProvidedError, _imported_from, _message
 
-        raise NotProvidedError(_message(f"torch_xla._XLAC.{name}"))
+        error = NotProvidedError if _imported_from() else NotProvidedAttributeError
+        raise error(_message(f"torch_xla._XLAC.{name}"))
 
 
 _XLAC = _XLAC()

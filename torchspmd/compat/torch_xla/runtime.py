@@ -82,4 +82,9 @@ def using_pjrt() -> bool:
     return True
 
 
+def initialize_cache(path: str, readonly: bool = False) -> None:
+    """Nothing: XLA's persistent cache of compiled programs; the native engine compiles no
+    XLA program (``torch.compile`` keeps its own cache)."""
+
+
 __getattr__ = not_provided("torch_xla.runtime")

@@ -44,10 +44,11 @@ def add_step_closure(closure, args=(), run_async: bool = False) -> None:
     _steps.add_closure(closure, args, run_async)
 
 
-def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None, gradients=None,
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None, groups=None,
                    pin_layout: bool = True):
     """``optimizer.step(**optimizer_args)``. Under SPMD the gradients are those of the
-    global batch already (no reduction is needed); ``barrier=True`` also ends the step."""
+    global batch already (no reduction is needed: ``groups``, the replica groups of that
+    reduction, and ``pin_layout`` have nothing to do); ``barrier=True`` also ends the step."""
     loss = optimizer.step(**(optimizer_args or {}))
     if barrier:
         mark_step()
@@ -82,10 +83,35 @@ def is_master_ordinal(local: bool = True) -> bool:
     return ordinal == 0
 
 
-def master_print(*args, fd=sys.stdout, finalizer=None, **kwargs) -> None:
-    """Print once for the whole program."""
-    if is_master_ordinal(local=False):
-        print(*args, file=fd, **kwargs)
+def master_print(*args, fd=sys.stdout, local: bool = False, flush: bool = False) -> None:
+    """Print once for the whole program (``local``: once per host)."""
+    if is_master_ordinal(local=local):
+        print(*args, file=fd, flush=flush)
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list[bytes]:
+    """Wait for every process of the job (torch_xla: every host's process) and return
+    their payloads, the payload of process ``i`` at position ``i``. Every process runs
+    the one program, so every process calls it; ``replicas`` may only name all of them."""
+    if not isinstance(payload, (bytes, bytearray)):
+        raise TypeError(f"rendezvous(payload=...): expected bytes, got {type(payload).__name__}")
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if replicas and sorted(replicas) != list(range(n)):
+        from torchspmd._errors import SpmdError
+
+        raise SpmdError(f"rendezvous(replicas={list(replicas)!r}): a rendezvous of some of the {n} processes is "
+                        f"not provided under --xla-compat (every process runs the one program); leave replicas "
+                        f"empty")
+    if n == 1:
+        return [bytes(payload)]
+    gathered: list = [None] * n
+    dist.all_gather_object(gathered, bytes(payload))
+    return gathered
+
+
+def optimization_barrier_(tensors) -> None:
+    """Nothing: a barrier to XLA's fusion of operations; the native engine runs them as
+    issued."""
 
 
 def _gathered(data):

@@ -20,4 +20,9 @@ from torchspmd import ShardingType, XLAShard  # noqa: F401
 from torchspmd.compat import not_provided
 from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
 
+
+def apply_backward_optimization_barrier(m) -> None:
+    """Nothing: a barrier to XLA's fusion of the module's backward with others; the native
+    engine runs operations as issued."""
+
 __getattr__ = not_provided("torch_xla.distributed.spmd")
