@@ -25,4 +25,7 @@ def apply_backward_optimization_barrier(m) -> None:
     """Nothing: a barrier to XLA's fusion of the module's backward with others; the native
     engine runs operations as issued."""
 
+__all__ = ["HybridMesh", "Mesh", "ShardingSpec", "ShardingType", "XLAShard", "apply_backward_optimization_barrier",
+           "clear_sharding", "disable_manual_sharding", "enable_manual_sharding", "get_1d_mesh", "get_global_mesh",
+           "mark_sharding", "mark_sharding_with_gradients", "set_global_mesh"]
 __getattr__ = not_provided("torch_xla.distributed.spmd")
