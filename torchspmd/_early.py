@@ -120,9 +120,13 @@ class BatchCounts:
         return int(self.totals[index])
 
 
-def _versions(t: DTensor) -> tuple[int, int]:
+def _versions(t: DTensor) -> tuple[int, int] | object:
     # A DTensor changed in place bumps its own version (shared with its views), not its
     # local tensor's; a local tensor changed through to_local() bumps only its own.
+    if t.is_inference() or t._local_tensor.is_inference():
+        # (made under torch.inference_mode(): no version is kept, so it is never taken as
+        # unchanged, and what reads it reduces at once)
+        return object()
     return t._version, t._local_tensor._version
 
 
@@ -143,7 +147,7 @@ def carry(src: Any, out: Any) -> None:
     autograd, before ``out`` shares ``src``'s version; a copy that does not share it keeps
     the count only while both versions are 0.)"""
     info = getattr(src, _COUNTED, None)
-    if info is None or not isinstance(out, DTensor) or _versions(src) != info[2]:
+    if info is None or not isinstance(out, DTensor) or _versions(src) != info[2] or out._local_tensor.is_inference():
         return
     setattr(out, _COUNTED, (info[0], info[1], (src._version, out._local_tensor._version)))
 

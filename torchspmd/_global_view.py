@@ -89,6 +89,12 @@ class _ReplicateUnannotated(TorchFunctionMode):
         like = _first_dtensor(args, kwargs)
         if like is None:
             return func(*args, **kwargs)
+        if torch.is_inference_mode_enabled():
+            # Under inference mode, composite ops (cross_entropy, ...) reach DTensor whole, and
+            # its sharding propagation fails on them: run them as under no_grad, which computes
+            # the same values (the results are then ordinary tensors without gradients).
+            with torch.inference_mode(False), torch.no_grad():
+                return self.__torch_function__(func, types, args, kwargs)
         if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
             return _whole_on_host(func, args, kwargs)
         if func not in _NO_LIFT:
@@ -491,7 +497,8 @@ def _item(op, args, kwargs):
     value of a pending sum otherwise)."""
     (x,) = args
     mesh = x.device_mesh
-    if all(p.is_replicate() or (p.is_partial() and p.reduce_op == "sum") for p in x.placements):
+    # (a plain pending sum only: a Partial subclass, such as a norm's, reduces otherwise)
+    if all(p.is_replicate() or (type(p) is Partial and p.reduce_op == "sum") for p in x.placements):
         value = _early.reduced(x)  # reduced already, in the backward pass
         if value is not None:
             return op(value)
