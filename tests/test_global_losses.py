@@ -188,3 +188,67 @@ def test_evaluation_under_inference_mode(dist, world):
         want = [F.cross_entropy(model(x), y).item() for x, y in DataLoader(data, batch_size=5)]
     for got in dist(world).run(_evaluate, True) + dist(world).run(_evaluate, False):
         assert got == pytest.approx(want, rel=RTOL, abs=0)
+
+
+REDUCTIONS = {  # reductions without an identity: they raised on a process holding no rows only
+    "max": lambda x: x.max(),
+    "min": lambda x: torch.min(x),
+    "amax_0": lambda x: torch.amax(x, 0),
+    "argmax": lambda x: x.argmax(),
+    "max_dim0_values": lambda x: x.max(dim=0).values,
+    "max_dim0_indices": lambda x: x.max(dim=0).indices,
+    "argmin_dim1": lambda x: x.argmin(dim=1),
+    "median": lambda x: x.median(),
+    "aminmax_max": lambda x: torch.aminmax(x).max,
+}
+
+
+def _reductions(rows):
+    x, _ = _inputs("real", rows)
+    world = torch.distributed.get_world_size()
+    mesh = Mesh(np.arange(world), (world,), ("data",))
+    xd = ts.mark_sharding(x.clone().requires_grad_(True), mesh, ("data", None))
+    out = {name: fn(xd) for name, fn in REDUCTIONS.items()}
+    out["max"].backward()
+    got = {k: (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v) for k, v in out.items()}
+    return {k: v.detach() for k, v in got.items()}, xd.grad.full_tensor()
+
+
+@pytest.mark.parametrize("world,rows", [(2, 1), (4, 3), (4, 5)])
+def test_reductions_without_identity_on_a_batch_that_leaves_a_process_no_rows(dist, world, rows):
+    x, _ = _inputs("real", rows)
+    x = x.clone().requires_grad_(True)
+    want = {name: fn(x) for name, fn in REDUCTIONS.items()}
+    want["max"].backward()
+    for got, grad in dist(world).run(_reductions, rows):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name].detach(), rtol=RTOL, atol=0, msg=name)
+        torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
+
+
+def _read_as_python(rows):
+    x, t = _inputs("class", rows)
+    world = torch.distributed.get_world_size()
+    mesh = Mesh(np.arange(world), (world,), ("data",))
+    xd = ts.mark_sharding(x.clone().requires_grad_(True), mesh, ("data", None))
+    loss = F.cross_entropy(xd, ts.mark_sharding(t, mesh, ("data",)))
+    try:
+        np.asarray(xd)
+        grad_refused = None
+    except RuntimeError as e:
+        grad_refused = str(e)
+    return dict(formatted=f"{loss:.6f}", formatted_sum=f"{xd.sum():.5f}", listed=loss.tolist(), rows=xd.tolist(),
+                array=np.asarray(xd.detach()), numpy=xd.detach().numpy(), grad_refused=grad_refused)
+
+
+@pytest.mark.parametrize("world,rows", [(2, 5), (4, 7)])
+def test_a_sharded_value_read_as_python_or_numpy_is_its_global_value(dist, world, rows):
+    # (DTensor raised: format spec unsupported, no data for tolist/numpy)
+    x, t = _inputs("class", rows)
+    loss = F.cross_entropy(x, t)
+    for got in dist(world).run(_read_as_python, rows):
+        assert got["formatted"] == f"{loss:.6f}" and got["formatted_sum"] == f"{x.sum():.5f}"
+        assert got["listed"] == pytest.approx(loss.tolist(), rel=RTOL, abs=0)
+        assert got["rows"] == x.tolist()
+        assert np.array_equal(got["array"], x.numpy()) and np.array_equal(got["numpy"], x.numpy())
+        assert "requires grad" in got["grad_refused"]  # as one device: numpy of a tensor that requires grad

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from typing import Any, Callable, Iterator
 
@@ -32,6 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.overrides import TorchFunctionMode
 
 from torchspmd import _early, _replicas, _rng
+from torchspmd._chunks import block_of
 from torchspmd._chunks import contiguous_stride as _contiguous_stride
 
 aten = torch.ops.aten
@@ -97,9 +99,15 @@ class _ReplicateUnannotated(TorchFunctionMode):
                 return self.__torch_function__(func, types, args, kwargs)
         if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
             return _whole_on_host(func, args, kwargs)
+        if func in _TO_PYTHON and args and isinstance(args[0], DTensor):
+            if func is torch.Tensor.__format__ and args[0].ndim == 0:
+                return format(args[0].item(), *args[1:])  # (item(): the global value, pending sums too)
+            return _whole_on_host(func, args, kwargs)
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
+        if func in _NO_IDENTITY:  # every process computes it whole, as one device would
+            args = tuple(_whole_where_a_block_is_empty(a) for a in args)
         out = func(*args, **kwargs)
         if args and func in _early._SCALINGS and isinstance(args[0], DTensor):
             _early.derive(func, args, kwargs, out)  # loss / accumulation_steps: item() of the loss's pending sum
@@ -154,6 +162,12 @@ def _leaves_for_host(func, args, kwargs) -> bool:
     return torch.device(device).type == "cpu" and t.device.type != "cpu"
 
 
+# Reading a sharded value as a Python or NumPy value (``f"{loss:.4f}"``, ``tolist()``,
+# ``numpy()``, ``np.asarray``): its whole value, as on one device. (DTensor raises for
+# each: ``object.__format__`` and no data to convert.)
+_TO_PYTHON = {torch.Tensor.__format__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+
+
 def _whole_on_host(func, args, kwargs) -> torch.Tensor:
     whole = args[0].full_tensor()
     token = suspend()  # the whole value is a plain tensor: nothing to lift
@@ -165,6 +179,29 @@ def _whole_on_host(func, args, kwargs) -> torch.Tensor:
 
 # Functions that legitimately take a DTensor beside plain tensors.
 _NO_LIFT = {torch.Tensor.__setitem__, torch.Tensor.__getitem__}
+
+# Reductions without an identity: on a process holding no rows they raise ("Expected
+# reduction dim to be specified for input.numel() == 0") where the others do not.
+_NO_IDENTITY = {torch.max, torch.min, torch.amax, torch.amin, torch.aminmax, torch.argmax, torch.argmin,
+                torch.median, torch.nanmedian, torch.Tensor.max, torch.Tensor.min, torch.Tensor.amax,
+                torch.Tensor.amin, torch.Tensor.aminmax, torch.Tensor.argmax, torch.Tensor.argmin,
+                torch.Tensor.median, torch.Tensor.nanmedian}
+
+
+def _some_block_empty(t: DTensor) -> bool:
+    """Whether some process holds an empty block of ``t`` (known alike everywhere from the
+    global shape and the layout: no communication)."""
+    if not any(p.is_shard() for p in t.placements) or t.numel() == 0:
+        return False
+    mesh_shape = tuple(t.device_mesh.shape)
+    return any(length == 0 for coord in itertools.product(*map(range, mesh_shape))
+               for _, length in block_of(tuple(t.shape), mesh_shape, t.placements, coord))
+
+
+def _whole_where_a_block_is_empty(a: Any) -> Any:
+    if isinstance(a, DTensor) and _some_block_empty(a):
+        return a.redistribute(a.device_mesh, [Replicate() if p.is_shard() else p for p in a.placements])
+    return a
 
 _MODE: _ReplicateUnannotated | None = None
 
