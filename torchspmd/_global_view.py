@@ -100,9 +100,10 @@ class _ReplicateUnannotated(TorchFunctionMode):
         if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
             return _whole_on_host(func, args, kwargs)
         if func in _TO_PYTHON and args and isinstance(args[0], DTensor):
-            if func is torch.Tensor.__format__ and args[0].ndim == 0:
+            if func is not torch.Tensor.__format__:
+                return _whole_on_host(func, args, kwargs)
+            if args[0].ndim == 0:  # (a tensor with dims formats as it prints: the DTensor)
                 return format(args[0].item(), *args[1:])  # (item(): the global value, pending sums too)
-            return _whole_on_host(func, args, kwargs)
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
@@ -162,9 +163,9 @@ def _leaves_for_host(func, args, kwargs) -> bool:
     return torch.device(device).type == "cpu" and t.device.type != "cpu"
 
 
-# Reading a sharded value as a Python or NumPy value (``f"{loss:.4f}"``, ``tolist()``,
-# ``numpy()``, ``np.asarray``): its whole value, as on one device. (DTensor raises for
-# each: ``object.__format__`` and no data to convert.)
+# Reading a sharded value as a Python or NumPy value (``f"{loss:.4f}"`` of a scalar,
+# ``tolist()``, ``numpy()``, ``np.asarray``): its whole value, as on one device. (DTensor
+# raises for each: ``object.__format__`` and no data to convert.)
 _TO_PYTHON = {torch.Tensor.__format__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
 
 
