@@ -82,15 +82,18 @@ class NotProvidedAttributeError(SpmdError, AttributeError):
     Python allows no class that is both.)"""
 
 
-def _imported_from() -> bool:
-    """Whether the module ``__getattr__`` two frames up serves a ``from m import name``."""
+def missing(api: str) -> SpmdError:
+    """The error for ``api``, looked up by the ``__getattr__`` that calls this: a
+    ``NotProvidedError`` when the lookup serves ``from m import name`` (the caller's frame is
+    at ``IMPORT_FROM``), else a ``NotProvidedAttributeError``."""
     import dis
 
     try:
-        frame = sys._getframe(2)
-        return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "IMPORT_FROM"
+        frame = sys._getframe(2)  # (0: here, 1: the __getattr__, 2: the code that looked the name up)
+        imported = dis.opname[frame.f_code.co_code[frame.f_lasti]] == "IMPORT_FROM"
     except (AttributeError, IndexError, ValueError):
-        return True
+        imported = True
+    return (NotProvidedError if imported else NotProvidedAttributeError)(_message(api))
 
 
 def _message(api: str) -> str:
@@ -111,8 +114,7 @@ def not_provided(module: str, provided=()):
         if name.startswith("_") or _is_module(f"{real}.{name}"):
             # (a submodule not imported yet: the import system asks before loading it)
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        error = NotProvidedError if _imported_from() else NotProvidedAttributeError
-        raise error(_message(f"{module}.{name}"))
+        raise missing(f"{module}.{name}")
 
     return __getattr__
 

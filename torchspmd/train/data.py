@@ -93,7 +93,7 @@ def stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for folder, subfolders, names in os.walk(root):  # (not into site-packages: rglob took 15x as long)
+    for folder, subfolders, names in os.walk(root):  # (pruned: rglob also walked site-packages)
         subfolders[:] = [d for d in subfolders if d != "site-packages"]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     files = sorted(p for p in files if "site-packages" not in p.parts)

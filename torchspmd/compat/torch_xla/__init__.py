@@ -87,10 +87,9 @@ class _XLAC:
     def __getattr__(self, name):
         if name.startswith("__"):  # (the import system's questions: not a package)
             raise AttributeError(name)
-        from torchspmd.compat import NotProvidedAttributeError, NotProvidedError, _imported_from, _message
+        from torchspmd.compat import missing
 
-        error = NotProvidedError if _imported_from() else NotProvidedAttributeError
-        raise error(_message(f"torch_xla._XLAC.{name}"))
+        raise missing(f"torch_xla._XLAC.{name}")
 
 
 _XLAC = _XLAC()
