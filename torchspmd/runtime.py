@@ -51,6 +51,10 @@ ENV_BACKEND = "TORCHSPMD_BACKEND"  # cpu | cuda | xla
 ENV_ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"  # 1: keep stdout/warnings of every rank
 XLA_CPU_NUM_DEVICES = "CPU_NUM_DEVICES"  # torch_xla's name, honoured on CPU too
 XLA_PJRT_DEVICE = "PJRT_DEVICE"  # set (with torch_xla installed): the XLA backend
+# The native engine (DTensor, FSDP2) is tested on this torch; torch 2.9's DTensor lacks sharding
+# rules it relies on (detach_, masked_fill_, argmax, batch norm). torch_xla 2.9 (the XLA
+# backend) needs torch 2.9, so the package's own requirement stays torch>=2.9.
+NATIVE_MIN_TORCH = "2.13"
 
 
 @dataclass
@@ -187,6 +191,7 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
             "use_spmd(auto=True): auto-sharding is torch_xla's (the XLA backend); the native engine does not "
             "support it: annotate shardings with mark_sharding / FSDPv2 instead"
         )
+    _require_native_torch(name)
     if not _launched() and not dist.is_initialized():
         n = _configured_local_devices(name, num_devices)
         if n > 1:
@@ -217,6 +222,19 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
         # The global view: the program prints once, as one process would.
         sys.stdout = open(os.devnull, "w")
         warnings.simplefilter("ignore")
+
+
+def _require_native_torch(name: str) -> None:
+    """Refuse, before any process is launched, a torch the native engine does not run on:
+    it would fail later, inside DTensor, on whichever operation first lacks a rule."""
+    if torch.__version__ >= NATIVE_MIN_TORCH:
+        return
+    raise SpmdError(
+        f"use_spmd(): the native engine ({name}) needs torch>={NATIVE_MIN_TORCH}, this is torch "
+        f"{torch.__version__} (its DTensor lacks sharding rules the engine relies on): install "
+        f"torch>={NATIVE_MIN_TORCH}, or run on the XLA backend (torch_xla of this torch's version, with "
+        f"PJRT_DEVICE set or {ENV_BACKEND}=xla)"
+    )
 
 
 def _init_process_group(name: str) -> None:

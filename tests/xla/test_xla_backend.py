@@ -377,3 +377,23 @@ def test_a_device_count_pjrt_does_not_show_names_its_source():
                        text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert "TORCHSPMD_NUM_DEVICES = 2: torch_xla drives all 4 devices of this host from one process" in r.stderr
+
+
+def test_the_native_engine_refuses_this_torch_before_launching():
+    """This environment's torch (2.9, for torch_xla 2.9) lacks DTensor rules the native engine
+    relies on: without PJRT_DEVICE, use_spmd() refuses it at once, in the one process started
+    (not in each of the processes it would relaunch), naming the version needed and the XLA way."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "TORCHSPMD_BACKEND")}
+    env["TORCHSPMD_NUM_DEVICES"] = "2"
+    r = subprocess.run([sys.executable, "-c", "import torchspmd as ts; ts.use_spmd(); print('ran')"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "ran" not in r.stdout
+    want = f"the native engine (cpu) needs torch>=2.13, this is torch {torch.__version__}"
+    assert r.stderr.count(want) == 1, r.stderr
+    assert "PJRT_DEVICE set or TORCHSPMD_BACKEND=xla" in r.stderr
