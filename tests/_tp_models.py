@@ -97,6 +97,38 @@ class AttnLM(nn.Module):
         return self.lm_head(x)
 
 
+class PackedBlock(nn.Module):
+    """Projections a program cuts itself (a packed key/value projection and a packed gate/up,
+    split with `chunk`) and a norm over the whole query (OLMo2's q_norm, not per head): each
+    needs all of its column-parallel output, so none may keep it split into its partner."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(DIM)
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.kv = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+        self.q_norm = RMSNorm(DIM)
+        self.w12 = nn.Linear(DIM, 2 * INTER, bias=False)
+        self.w3 = nn.Linear(INTER, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm(x)
+        k, v = self.kv(h).chunk(2, dim=-1)
+        q, k, v = (z.reshape(b, t, 4, DIM // 4).transpose(1, 2) for z in (self.q_norm(self.q(h)), k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        x = x + self.o(a)
+        g, u = self.w12(self.norm(x)).chunk(2, dim=-1)
+        return x + self.w3(F.silu(g) * u)
+
+
+class PackedLM(MlpLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([PackedBlock(), PackedBlock()])
+
+
 def llama_config():
     from transformers import LlamaConfig
 
@@ -111,6 +143,8 @@ def build(kind: str) -> nn.Module:
         return MlpLM()
     if kind == "attn":
         return AttnLM()
+    if kind == "packed":
+        return PackedLM()
     if kind == "tied":  # the LM head is the embedding's table
         model = MlpLM()
         model.lm_head.weight = model.embed.weight

@@ -154,6 +154,16 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             return styles.get(m.base_layer)
         return None
 
+    def linear(m: nn.Module) -> nn.Linear:
+        return m if isinstance(m, nn.Linear) else m.base_layer
+
+    def normed_whole(col: nn.Linear, after: list) -> bool:
+        """A module declared after the column with a weight over its whole output (OLMo2's
+        ``q_norm`` over all heads, not per head): a norm over every feature, which a process's
+        share is not. (A norm declared before it is taken for the block's input norm.)"""
+        return any(not isinstance(s, nn.Linear) and not _is_adapter(s)
+                   and any(q.shape == (col.out_features,) for q in s.parameters()) for s in after)
+
     paired_col: set = set()
     paired_row: set = set()
     for owner, style in styles.items():
@@ -167,12 +177,23 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
         after = siblings[siblings.index(at) + 1:]
         partner = next((s for s in after if role(s) == ROW), None)
         if partner is not None:
+            # The activation stays split only where the row-parallel partner takes the
+            # column's features as they come: the same count (an MLP's up and down, an
+            # attention's query and output), or whole key/value heads of an attention whose
+            # query matches it. A packed projection (gate and up in one, q/k/v in one) is cut
+            # by the program (`chunk`, `split`) into pieces of the whole features, which a
+            # process's share is not: its output is gathered, as an unpaired column's.
+            width = linear(partner).in_features
+            cols = [linear(s) for s in siblings[:siblings.index(partner)] if role(s) == COL]
+            fits = owner.out_features == width or (
+                any(c.out_features == width for c in cols) and width % owner.out_features == 0)
+            if not fits or normed_whole(owner, after):
+                continue
             paired_col.add(owner)
             rows = [m for m in partner.modules() if styles.get(m) == ROW and logical(m) is partner] \
                 if partner is not owner else []
             paired_row.update(rows or [partner])
-            _check_even(fqn, owner, up, partner if isinstance(partner, nn.Linear) else partner.base_layer,
-                        n, axis_name)
+            _check_even(fqn, owner, up, linear(partner), n, axis_name)
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
