@@ -59,14 +59,18 @@ def _annotate(model, mesh, style, data_axis):
     mark(model.embed, "weight", ("model", None))  # vocabulary split: one all-reduce
 
 
-def _train(wrap, shape, style, batch, kind="mlp"):
+def _train(wrap, shape, style, batch, kind="mlp", act_spec=None):
     n = ts.global_runtime_device_count()
     data_axis = "data" if wrap == "pattern1" else "fsdp"
     mesh = ts.Mesh(np.arange(n), shape, (data_axis, "model"))
     ts.set_global_mesh(mesh)
     model = M.build(kind)
+    if act_spec is not None:  # the program annotates an activation inside its forward, as torch_xla programs do
+        marked = tuple(data_axis if a == "data" else a for a in act_spec)
+        for b in model.blocks:
+            b.fc1.register_forward_hook(lambda mod, args, out: ts.mark_sharding(out, mesh, marked))
     whole = {k: p.numel() for k, p in model.named_parameters()}
-    if kind in ("mlp", "tied"):
+    if kind in ("mlp", "tied") and style != "none":
         _annotate(model, mesh, style, data_axis)
     elif kind == "attn":
         _annotate_attn(model, mesh)
@@ -317,3 +321,17 @@ def test_packed_projections_and_a_whole_norm_are_one_devices(dist, wrap, shape):
     as on one device."""
     results = dist(math.prod(shape)).run(_train, wrap, shape, "tp", 5, "packed")
     _check_against_oracle(results, "packed", 5)
+
+
+@pytest.mark.parametrize("wrap,shape,style,act_spec", [
+    ("fsdp", (2, 2), "tp", ("data", None, "model")), ("fsdp", (2, 1), "none", ("data", None, None)),
+    ("fsdp", (4, 1), "none", (None, None, None)), ("pattern1", (2, 2), "tp", ("data", None, "model")),
+    ("pattern1", (2, 1), "none", ("data", None, None)),
+])
+def test_an_activation_annotated_inside_forward_is_one_devices(dist, wrap, shape, style, act_spec):
+    """mark_sharding on an activation inside the model's forward (a layout constraint in
+    torch_xla) under FSDPv2 (whose forward computes this process's rows: the activation was
+    taken for a global value and met plain tensors) and Pattern 1 (with and without 'model'
+    weights: its local calls too), against one device."""
+    results = dist(math.prod(shape)).run(_train, wrap, shape, style, 5, "mlp", act_spec)
+    _check_against_oracle(results, "mlp", 5)

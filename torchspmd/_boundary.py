@@ -186,12 +186,28 @@ def replace_marked(output: Any, marked: dict) -> Any:
     return new
 
 
+_LOCAL = threading.local()
+
+
+def in_local_compute() -> bool:
+    """Inside a wrapped module's local compute (FSDPv2's forward, ``ts.replicate``, the
+    automatic data-parallel path's local calls): tensors there are this process's share."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+@contextlib.contextmanager
 def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
-    """Random operations on this process's rows (dropout in a wrapped module's local
-    compute) draw from the rows' own stream, not the one every process shares (see
+    """The local compute of a wrapped module. Random operations on this process's rows
+    (dropout) draw from the rows' own stream, not the one every process shares (see
     torchspmd/_rng.py); without a batch every process computes the same and shares it."""
-    if layout is None:
-        return contextlib.nullcontext()
-    mesh = layout.device_mesh
-    index = _rng.shard_index(_coord(mesh), list(mesh.shape), data_dims)
-    return _rng.local_stream(index, mesh.device_type)
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        if layout is None:
+            yield
+            return
+        mesh = layout.device_mesh
+        index = _rng.shard_index(_coord(mesh), list(mesh.shape), data_dims)
+        with _rng.local_stream(index, mesh.device_type):
+            yield
+    finally:
+        _LOCAL.depth -= 1

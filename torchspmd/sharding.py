@@ -141,6 +141,10 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     ``nn.Parameter``: assign it back to its module (``m.weight = mark_sharding(m.weight,
     ...)``) before building the optimizer.
 
+    Inside a wrapped module's forward (FSDPv2, ``ts.replicate``, the automatic data-parallel
+    path's local calls) an activation is this process's share already: it is returned as it
+    is (the spec is still checked against the mesh).
+
     On the XLA backend torch_xla annotates ``t`` in place and ``t`` itself is returned
     (moved to the device first if it was a CPU tensor).
     """
@@ -154,6 +158,11 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
         marked = _boundary.mark_local_output(t, dmesh, placements)
         if marked is not None:  # inside a shard_output callable: t is this process's block
             return marked
+    if _boundary.in_local_compute():
+        # An activation annotated inside a wrapped module's forward (torch_xla programs
+        # constrain activations so): it is this process's share of the global value already
+        # (or a tensor-parallel layer's own DTensor), and an annotation changes no value.
+        return t
     if isinstance(t, DTensor):
         if _stale.made_by_fsdp(t):
             raise SpmdError(
@@ -218,6 +227,8 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec: Pa
     resolved = resolve_partition_spec(mesh, partition_spec, t.dim(), "mark_sharding_with_gradients")
     placements = tuple(spec_to_placements(mesh, resolved))
     dmesh = mesh.device_mesh
+    if _boundary.in_local_compute():
+        return t  # an activation inside a wrapped module's forward: see mark_sharding
     if isinstance(t, DTensor):
         if _stale.made_by_fsdp(t):
             raise SpmdError(
