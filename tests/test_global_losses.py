@@ -252,3 +252,32 @@ def test_a_sharded_value_read_as_python_or_numpy_is_its_global_value(dist, world
         assert got["rows"] == x.tolist()
         assert np.array_equal(got["array"], x.numpy()) and np.array_equal(got["numpy"], x.numpy())
         assert "requires grad" in got["grad_refused"]  # as one device: numpy of a tensor that requires grad
+
+
+def _ce_over_two_axes(shape, rows):
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(rows, 6, 5, generator=g), torch.randint(0, 5, (rows, 6), generator=g)
+    t[0, :3] = -100
+    mesh = Mesh(np.arange(int(np.prod(shape))), shape, ("data", "model"))
+    xd = ts.mark_sharding(x.clone().requires_grad_(True), mesh, ("data", "model", None))
+    td = ts.mark_sharding(t, mesh, ("data", None))
+    loss = F.cross_entropy(xd.reshape(-1, 5), td.reshape(-1))
+    loss.backward()
+    return loss.item(), xd.grad.full_tensor()
+
+
+@pytest.mark.parametrize("shape,rows", [((1, 2), 4), ((2, 2), 5)])
+def test_cross_entropy_of_rows_split_over_two_axes(dist, shape, rows):
+    # (batch, seq) logits split over 'data' and 'model' (sequence-split activations of a
+    # tensor-parallel program), flattened: rows in an order a plain split of the targets
+    # does not give (DTensor's _StridedShard); the loss paired them with the wrong targets
+    # and failed on a size mismatch
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(rows, 6, 5, generator=g), torch.randint(0, 5, (rows, 6), generator=g)
+    t[0, :3] = -100
+    x.requires_grad_(True)
+    want = F.cross_entropy(x.reshape(-1, 5), t.reshape(-1))
+    want.backward()
+    for loss, grad in dist(int(np.prod(shape))).run(_ce_over_two_axes, shape, rows):
+        assert loss == pytest.approx(want.item(), rel=RTOL, abs=0)
+        torch.testing.assert_close(grad, x.grad, rtol=RTOL, atol=ATOL)

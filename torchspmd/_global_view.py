@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 
 from torchspmd import _early, _replicas, _rng
@@ -423,6 +424,10 @@ def _nll_prepare(values: dict) -> tuple[DTensor, DTensor, Any]:
         # Sharded classes (vocabulary parallelism): gather them; loss_parallel() is the
         # specialised tool for that layout.
         x = x.redistribute(x.device_mesh, [Replicate() if p.is_shard(cdim) else p for p in x.placements])
+    if any(isinstance(p, _StridedShard) for p in x.placements):
+        # Rows split over two axes in an order a plain split of the targets does not give
+        # (logits (batch, seq) split over 'data' and 'model', flattened): gather those.
+        x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, _StridedShard) else p for p in x.placements])
     target_placements = []
     for p in x.placements:
         if p.is_shard():
