@@ -281,3 +281,21 @@ def test_cross_entropy_of_rows_split_over_two_axes(dist, shape, rows):
     for loss, grad in dist(int(np.prod(shape))).run(_ce_over_two_axes, shape, rows):
         assert loss == pytest.approx(want.item(), rel=RTOL, abs=0)
         torch.testing.assert_close(grad, x.grad, rtol=RTOL, atol=ATOL)
+
+
+def _cat_onto_empty(rows):
+    x, _ = _inputs("seq", rows)
+    world = torch.distributed.get_world_size()
+    mesh = Mesh(np.arange(world), (1, world), ("data", "model"))
+    xd = ts.mark_sharding(x, mesh, ("data", "model", None))  # split on dim 1, as attention's keys over heads
+    out = torch.cat([torch.tensor([]), xd], dim=-2)  # transformers' DynamicCache: its first update
+    return out.full_tensor(), torch.cat((xd, torch.tensor([])), dim=1).full_tensor()
+
+
+def test_cat_onto_a_legacy_empty_tensor(dist):
+    # torch.cat skips 1-D tensors with no elements; lifted to a DTensor, the empty tensor was
+    # split on a dim it lacks (IndexError in every Pattern 1 Llama with the cache on)
+    x, _ = _inputs("seq", 5)
+    for a, b in dist(2).run(_cat_onto_empty, 5):
+        torch.testing.assert_close(a, torch.cat([torch.tensor([]), x], dim=-2), rtol=0, atol=0)
+        torch.testing.assert_close(b, x, rtol=0, atol=0)

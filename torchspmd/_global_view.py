@@ -84,6 +84,20 @@ def _lift(a: Any, like: DTensor) -> Any:
     return a
 
 
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _without_legacy_empties(seq):
+    """torch.cat skips 1-D tensors with no elements beside tensors of more dims (transformers'
+    DynamicCache starts from ``torch.tensor([])``); lifted to a DTensor, such a tensor would be
+    split on a dim it lacks. Leave them out, as torch does."""
+    def empty(t):
+        return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 0
+    if any(empty(t) for t in seq) and any(isinstance(t, torch.Tensor) and t.dim() > 1 for t in seq):
+        return type(seq)(t for t in seq if not empty(t))
+    return seq
+
+
 class _ReplicateUnannotated(TorchFunctionMode):
     """Lift plain tensors that meet a DTensor to replicated DTensors."""
 
@@ -105,6 +119,8 @@ class _ReplicateUnannotated(TorchFunctionMode):
                 return _whole_on_host(func, args, kwargs)
             if args[0].ndim == 0:  # (a tensor with dims formats as it prints: the DTensor)
                 return format(args[0].item(), *args[1:])  # (item(): the global value, pending sums too)
+        if func in _CAT and args and type(args[0]) in (list, tuple):
+            args = (_without_legacy_empties(args[0]), *args[1:])
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
