@@ -335,3 +335,30 @@ def test_an_activation_annotated_inside_forward_is_one_devices(dist, wrap, shape
     weights: its local calls too), against one device."""
     results = dist(math.prod(shape)).run(_train, wrap, shape, style, 5, "mlp", act_spec)
     _check_against_oracle(results, "mlp", 5)
+
+
+def _dropout_on_a_row_parallel_output():
+    mesh = ts.Mesh(np.arange(2), (1, 2), ("data", "model"))
+    p = M.pair()
+    ts.mark_sharding(p[0].weight, mesh, ("model", None))
+    ts.mark_sharding(p[2].weight, mesh, (None, "model"))
+    x = ts.mark_sharding(M.input_rows(), mesh, ("data", None))
+    y = p(x)  # the row-parallel output: a pending sum over 'model'
+    out = torch.nn.functional.dropout(y, 0.5, training=True)
+    return y.full_tensor().detach(), out.full_tensor().detach()
+
+
+def test_dropout_of_a_row_parallel_output(dist):
+    """Pattern 1: dropout on a row-parallel layer's output (residual dropout, GPT-2's) filled
+    a mask shaped as a pending sum in place and failed; every element is now either dropped
+    or kept and scaled, as on one device (one mask for the summed value)."""
+    for y, out in dist(2).run(_dropout_on_a_row_parallel_output):
+        torch.testing.assert_close(y, input_grad_free_pair(), rtol=RTOL, atol=ATOL)
+        kept = out != 0
+        assert 0 < kept.sum() < out.numel()
+        torch.testing.assert_close(out[kept], 2 * y[kept], rtol=RTOL, atol=ATOL)
+
+
+def input_grad_free_pair():
+    with torch.no_grad():
+        return M.pair()(M.input_rows())

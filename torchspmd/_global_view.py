@@ -662,6 +662,18 @@ def _random(op, args, kwargs):
     return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
 
+def _empty_like(op, args, kwargs):
+    """A new tensor shaped like a pending sum holds no sum: it is laid out replicated (its
+    values are unset). Dropout fills ``empty_like(x)`` with its mask in place; shaped as a
+    pending sum (the output of a row-parallel layer), the in-place fill could not be laid out."""
+    out = _default(op, args, kwargs)
+    if not any(p.is_partial() for p in out.placements):
+        return out
+    placements = [Replicate() if p.is_partial() else p for p in out.placements]
+    spec = DTensorSpec(out.device_mesh, tuple(placements), tensor_meta=out._spec.tensor_meta)
+    return DTensor(out._local_tensor, spec, requires_grad=out.requires_grad)
+
+
 def _below_autograd(handler: Callable) -> Callable:
     """Handlers run under the autograd kernel; their internal redistributions must not
     record a graph of their own."""
@@ -675,6 +687,7 @@ def _below_autograd(handler: Callable) -> Callable:
 
 _HANDLERS: dict = {
     aten._local_scalar_dense.default: _item,
+    aten.empty_like.default: _empty_like,
     aten.mse_loss.default: _pointwise_loss_forward(2),
     aten.mse_loss_backward.default: _pointwise_loss_backward(2),
     aten.smooth_l1_loss.default: _pointwise_loss_forward(2),
