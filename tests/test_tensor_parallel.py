@@ -362,3 +362,41 @@ def test_dropout_of_a_row_parallel_output(dist):
 def input_grad_free_pair():
     with torch.no_grad():
         return M.pair()(M.input_rows())
+
+
+class _Pair(torch.nn.Sequential):
+    pass
+
+
+def _clip_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(M.DIM, M.DIM), _Pair(*M.pair()))
+
+
+def _clipped_by_torch(foreach):
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("fsdp", "model"))
+    net = _clip_model()
+    ts.mark_sharding(net[1][0].weight, mesh, ("model", None))
+    ts.mark_sharding(net[1][2].weight, mesh, (None, "model"))
+    net = ts.FSDPv2(net, mesh=mesh, auto_wrap_policy=functools.partial(ts.transformer_auto_wrap_policy,
+                                                                       transformer_layer_cls={_Pair}))
+    with ts.step():
+        net(ts.mark_sharding(M.input_rows(), mesh, ("fsdp", None))).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05, foreach=foreach)
+    return float(norm), {k: _full(p.grad) for k, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_torchs_clip_grad_norm_over_units_of_two_meshes(dist, foreach):
+    """torch.nn.utils.clip_grad_norm_ on a 2D FSDPv2 model whose units are held on
+    ('fsdp', 'model') and on 'fsdp' alone (a unit without tensor parallelism): the norms
+    of several meshes are stacked and every gradient scaled by one coefficient; DTensor
+    refused both. The norm and the clipped gradients are one device's."""
+    ref = _clip_model()
+    ref(M.input_rows()).pow(2).mean().backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+    assert want > 0.05  # it clips
+    for norm, grads in dist(4).run(_clipped_by_torch, foreach):
+        assert norm == pytest.approx(want, rel=RTOL, abs=0)
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, rtol=RTOL, atol=ATOL)

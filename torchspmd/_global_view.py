@@ -85,6 +85,16 @@ def _lift(a: Any, like: DTensor) -> Any:
 
 
 _CAT = {torch.cat, torch.concat, torch.concatenate}
+_JOIN = _CAT | {torch.stack}
+
+
+def _one_mesh(seq):
+    """Tensors of several meshes joined into one (the norms of parameters some of which
+    FSDPv2 holds on ('fsdp', 'model') and some on 'fsdp' alone, stacked by torch's
+    ``clip_grad_norm_``): DTensor cannot; their whole values can."""
+    if len({t.device_mesh for t in seq if isinstance(t, DTensor)}) < 2:
+        return seq
+    return type(seq)(t.full_tensor() if isinstance(t, DTensor) else t for t in seq)
 
 
 def _without_legacy_empties(seq):
@@ -100,6 +110,30 @@ def _without_legacy_empties(seq):
 
 class _ReplicateUnannotated(TorchFunctionMode):
     """Lift plain tensors that meet a DTensor to replicated DTensors."""
+
+    def _per_mesh(self, func, types, args, kwargs):
+        """A ``_foreach_`` op over tensors of several meshes (parameters FSDPv2 holds on
+        ('fsdp', 'model') and on 'fsdp' alone: torch's ``clip_grad_norm_`` scales all their
+        gradients by one coefficient), run once per mesh, each with its plain operands lifted
+        to that mesh."""
+        seq = args[0]
+        groups: dict = {}
+        for i, t in enumerate(seq):
+            groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(i)
+
+        def part(a, idx):
+            return type(a)(a[i] for i in idx) if type(a) in (list, tuple) and len(a) == len(seq) else a
+
+        results: list = [None] * len(seq)
+        returned = False
+        for idx in groups.values():
+            out = self.__torch_function__(func, types, tuple(part(a, idx) for a in args),
+                                          {k: part(v, idx) for k, v in kwargs.items()})
+            if out is not None:
+                returned = True
+                for j, i in enumerate(idx):
+                    results[i] = out[j]
+        return results if returned else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,8 +153,14 @@ class _ReplicateUnannotated(TorchFunctionMode):
                 return _whole_on_host(func, args, kwargs)
             if args[0].ndim == 0:  # (a tensor with dims formats as it prints: the DTensor)
                 return format(args[0].item(), *args[1:])  # (item(): the global value, pending sums too)
-        if func in _CAT and args and type(args[0]) in (list, tuple):
-            args = (_without_legacy_empties(args[0]), *args[1:])
+        if getattr(func, "__name__", "").startswith("_foreach_") and args and type(args[0]) in (list, tuple) \
+                and len({t.device_mesh for t in args[0] if isinstance(t, DTensor)}) > 1:
+            return self._per_mesh(func, types, args, kwargs)
+        if func in _JOIN and args and type(args[0]) in (list, tuple):
+            seq = _without_legacy_empties(args[0]) if func in _CAT else args[0]
+            args = (_one_mesh(seq), *args[1:])
+            if _first_dtensor(args, kwargs) is None:
+                return func(*args, **kwargs)
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
