@@ -54,7 +54,7 @@ XLA_PJRT_DEVICE = "PJRT_DEVICE"  # set (with torch_xla installed): the XLA backe
 # The native engine (DTensor, FSDP2) is tested on this torch; torch 2.9's DTensor lacks sharding
 # rules it relies on (detach_, masked_fill_, argmax, batch norm). torch_xla 2.9 (the XLA
 # backend) needs torch 2.9, so the package's own requirement stays torch>=2.9.
-NATIVE_MIN_TORCH = "2.13"
+NATIVE_TESTED_TORCH = "2.13"
 
 
 @dataclass
@@ -191,7 +191,6 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
             "use_spmd(auto=True): auto-sharding is torch_xla's (the XLA backend); the native engine does not "
             "support it: annotate shardings with mark_sharding / FSDPv2 instead"
         )
-    _require_native_torch(name)
     if not _launched() and not dist.is_initialized():
         n = _configured_local_devices(name, num_devices)
         if n > 1:
@@ -199,6 +198,8 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
 
             raise SystemExit(relaunch_current_script(n))
     _init_process_group(name)
+    if dist.get_rank() == 0:
+        _warn_native_torch(name)
     from torchspmd._launch import record_failures  # uncaught errors -> torchrun's error file, for the summary
     record_failures()
     _STATE.backend = name
@@ -224,17 +225,21 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
         warnings.simplefilter("ignore")
 
 
-def _require_native_torch(name: str) -> None:
-    """Refuse, before any process is launched, a torch the native engine does not run on:
-    it would fail later, inside DTensor, on whichever operation first lacks a rule."""
-    if torch.__version__ >= NATIVE_MIN_TORCH:
+class OlderTorchWarning(UserWarning):
+    """The native engine runs on a torch older than the one it is tested with."""
+
+
+def _warn_native_torch(name: str) -> None:
+    """Say once (rank 0) that this torch is older than the native engine's tested one: some
+    operations then fail inside DTensor, on whichever first lacks a sharding rule."""
+    if torch.__version__ >= NATIVE_TESTED_TORCH:
         return
-    raise SpmdError(
-        f"use_spmd(): the native engine ({name}) needs torch>={NATIVE_MIN_TORCH}, this is torch "
-        f"{torch.__version__} (its DTensor lacks sharding rules the engine relies on): install "
-        f"torch>={NATIVE_MIN_TORCH}, or run on the XLA backend (torch_xla of this torch's version, with "
-        f"PJRT_DEVICE set or {ENV_BACKEND}=xla)"
-    )
+    warnings.warn(
+        f"use_spmd(): the native engine ({name}) is tested on torch>={NATIVE_TESTED_TORCH}, this is torch "
+        f"{torch.__version__}: its DTensor lacks sharding rules the engine relies on (on torch 2.9: detach_, "
+        f"masked_fill_, argmax, batch norm), and programs that reach one fail there (NotImplementedError). "
+        f"Install torch>={NATIVE_TESTED_TORCH}, or run on the XLA backend (torch_xla of this torch's version, with "
+        f"PJRT_DEVICE set or {ENV_BACKEND}=xla)", OlderTorchWarning, stacklevel=3)
 
 
 def _init_process_group(name: str) -> None:
