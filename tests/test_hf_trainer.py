@@ -168,10 +168,12 @@ def test_save_model_writes_a_plain_hf_directory(dist, tmp_path):
     assert diff == 0.0
 
 
-def _train_with_checkpoints(out, resume=None, steps=4, model_axis=1):
+def _train_with_checkpoints(out, resume=None, steps=4, model_axis=1, unused=False):
     from torchspmd.hf import Trainer as SpmdTrainer
 
     model = _model()
+    if unused:  # a layer the forward never calls: no gradient, so AdamW keeps no state for it
+        model.unused = torch.nn.Linear(3, 3)
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
     args = _args(out, True, model, model_axis, max_steps=steps, save_strategy="steps", save_steps=2)
     trainer = SpmdTrainer(model=model, args=args, train_dataset=_token_rows(21, 1), data_collator=collator)
@@ -185,6 +187,16 @@ def test_resume_from_a_trainer_checkpoint_on_another_device_count(dist, tmp_path
     assert (ckpt / "optimizer" / ".metadata").is_file() and (ckpt / "model.safetensors").is_file()
     # Steps 3 and 4 again, from the checkpoint of step 2, on 4 devices.
     resumed = dist(4).run(_train_with_checkpoints, str(tmp_path / "a"), str(ckpt))[0]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+
+
+def test_resume_with_a_parameter_the_optimizer_keeps_no_state_for(dist, tmp_path):
+    # the checkpoint has no AdamW state for a parameter that never got a gradient; loading
+    # made state for every parameter and asked the checkpoint for it (a missing-key error)
+    first = dist(2).run(_train_with_checkpoints, str(tmp_path / "a"), None, 4, 1, True)[0]
+    resumed = dist(2).run(_train_with_checkpoints, str(tmp_path / "a"), str(tmp_path / "a" / "checkpoint-2"), 4, 1,
+                          True)[0]
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
 

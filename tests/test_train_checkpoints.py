@@ -314,3 +314,63 @@ def test_resuming_from_a_missing_path_stops_with_the_setting_and_the_fix(tmp_pat
     assert (f"torchspmd: checkpoint.resume = '{tmp_path / 'nope'}': no such checkpoint directory; give a "
             f"step-NNNNNNNN directory under a job's out_dir/checkpoints, 'auto' (the newest in out_dir, if any) "
             f"or 'none'") in err, err[-3000:]
+
+
+def _resumable(tmp_path: Path, straight: Path, steps=(2, 4)) -> Path:
+    """A job directory holding copies of the straight run's checkpoints ``steps``."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    for s in steps:
+        shutil.copytree(ck(straight, s), ck(out, s))
+    return out
+
+
+def test_resuming_from_a_job_directory_names_its_newest_checkpoint_and_deletes_nothing(tmp_path, straight):
+    # the job's own directory given by hand: following "delete that directory" would delete the run
+    out = _resumable(tmp_path, straight)
+    err = _job_error(train(tmp_path / "other", *ARGS, "--checkpoint.resume", str(out), check=False))
+    assert (f"torchspmd: checkpoint.resume = '{out}': checkpoint {out} is not a torchspmd checkpoint (it has neither "
+            f".metadata nor state.pt); checkpoints are the step-NNNNNNNN directories under a job's "
+            f"out_dir/checkpoints: the newest under it is {ck(out, 4)}") in err, err[-3000:]
+    assert "delete" not in err, err[-3000:]
+
+
+def test_a_damaged_checkpoint_given_by_hand_points_at_another_step(tmp_path, straight):
+    out = _resumable(tmp_path, straight)
+    bad = ck(out, 4)
+    DAMAGE["truncated shard"][0](bad)
+    err = _job_error(train(tmp_path / "other", *ARGS, "--checkpoint.resume", str(bad), check=False))
+    assert (f"torchspmd: checkpoint.resume = '{bad}': checkpoint {bad} {DAMAGE['truncated shard'][1]}") in err, \
+        err[-3000:]
+    assert (f"; point checkpoint.resume at another step-NNNNNNNN directory (the one before it is {ck(out, 2)}), "
+            f"or set it to 'none' to start over") in err, err[-3000:]
+    assert "delete" not in err, err[-3000:]
+
+
+def test_resuming_a_checkpoint_of_more_layers_stops_with_the_weight_and_the_fix(tmp_path, straight):
+    # it loaded the weights it had room for, then failed with a KeyError (a traceback)
+    out = _resumable(tmp_path, straight, steps=(4,))
+    err = _job_error(train(out, *ARGS, "--model.num_layers", "1", check=False))
+    assert (f"torchspmd: checkpoint.resume = 'auto': checkpoint {ck(out, 4)}: it has weights for "
+            f"'model.layers.1.") in err, err[-3000:]
+    assert ("which this model does not have; it was saved from another model (one with more layers or modules); the "
+            "job that saved it had other [model] settings (in its config.toml): resume with those, or start this job "
+            "in another out_dir") in err, err[-3000:]
+    assert FIX not in err
+
+
+def test_resuming_with_other_model_settings_of_the_same_shapes_is_refused(tmp_path, straight):
+    # 2 heads instead of 4 over the same projections: the weights load, into another network
+    out = _resumable(tmp_path, straight, steps=(4,))
+    err = _job_error(train(out, *ARGS, "--model.num_heads", "2", check=False))
+    assert (f"torchspmd: checkpoint.resume = 'auto': checkpoint {ck(out, 4)} was saved with model.num_heads = 4 "
+            f"(its config.toml) and this job has model.num_heads = 2: the weights load, but into another network; "
+            f"resume with model.num_heads = 4, or start this job in another out_dir") in err, err[-3000:]
+
+
+def test_resuming_with_another_seed_warns_that_the_run_does_not_continue_exactly(tmp_path, straight):
+    out = _resumable(tmp_path, straight, steps=(4,))
+    r = train(out, *ARGS, "--seed", "1")
+    assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
+    assert (f"torchspmd: warning: checkpoint {ck(out, 4)} was saved with seed = 0 and this job has seed = 1: it "
+            f"resumes, but does not continue the saved run exactly") in r.stderr, r.stderr[-3000:]

@@ -464,14 +464,26 @@ class Trainer(_StockTrainer):
                             f"it was not written by torchspmd.hf.Trainer, or its save did not finish")
         import torch.distributed.checkpoint as dcp
 
-        from torchspmd.checkpoint import _as_saved, _ensure_optim_state, _load_optim_state, _optim_state
+        from pathlib import Path
+
+        from torchspmd.checkpoint import (CheckpointMismatch, _group_names, _groups_differ, _load_optim_state,
+                                          _optim_targets, _read_groups, _saved_optim_state)
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        _ensure_optim_state(optimizer)
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        state = {"optim": _as_saved(_optim_state(self.model_wrapped, optimizer), keys)}
-        dcp.load(state, checkpoint_id=path)
-        _load_optim_state(self.model_wrapped, optimizer, state["optim"])
+        model = self.model_wrapped
+        # As torchspmd.checkpoint.load: the groups are compared before anything is loaded, and
+        # the optimizer gets exactly the state the checkpoint holds (none for a parameter that
+        # had none: plain SGD, a parameter without a gradient yet).
+        groups = _read_groups(Path(path))
+        differ = _groups_differ(groups, _group_names(model, optimizer))
+        if differ:
+            raise CheckpointMismatch(f"checkpoint {checkpoint} was saved with another optimizer: {differ}; build the "
+                                     f"optimizer with the parameter groups of the one that saved it")
+        saved = _saved_optim_state(Path(path), dcp.FileSystemReader(path).read_metadata(), model, optimizer)
+        state = {"optim": {"state": _optim_targets(Path(path), saved, model, optimizer)}}
+        if saved:
+            dcp.load(state, checkpoint_id=path)
+        _load_optim_state(model, optimizer, {"param_groups": groups, **state["optim"]})
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

@@ -295,6 +295,69 @@ def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     return p
 
 
+def _bad_checkpoint(setting: str, path: Path, e: ckpt.BadCheckpoint) -> str:
+    """The job's error for a checkpoint it cannot resume from, with the way out. Deleting
+    the directory is offered only for a damaged checkpoint that ``auto`` chose: that is a
+    ``step-N`` directory under this job's checkpoints, and the one before it (if any) is
+    taken next. A path given by hand may be anything (the job's whole out_dir): it is never
+    to be deleted; a checkpoint that is not damaged needs no deleting."""
+    head = f"checkpoint.resume = {setting!r}: {e}"
+    if not isinstance(e, ckpt.DamagedCheckpoint):
+        return head  # a wrong path (the message names the checkpoints under it) or a state.pt it explains
+    if setting == "auto":
+        return (f"{head}; delete that directory to resume from the checkpoint before it, or set checkpoint.resume to "
+                f"another checkpoint directory (or 'none' to start over)")
+    others = [p for p in ckpt.list_checkpoints(path.parent) if p.resolve() != path.resolve()]
+    if ckpt._NAME.match(path.name):
+        others = [p for p in others if ckpt._step_of(p) < ckpt._step_of(path)]
+    before = f" (the one before it is {others[-1]})" if others else ""
+    return (f"{head}; point checkpoint.resume at another step-NNNNNNNN directory{before}, or set it to 'none' to "
+            f"start over")
+
+
+#: [model] settings that make another network with the same weight shapes (4 heads or 2 over
+#: the same projections): a checkpoint loads, but it is not the model that was trained.
+#: (dropout and how the weights were first made, meta_init and pretrained, may change.)
+_ARCHITECTURE = ("name", "dim", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len",
+                 "vocab_size")
+#: Settings a resumed run may change, but then it does not continue the saved run exactly.
+_CONTINUITY = (("data", "seq_len"), ("optim", "batch_size"), ("optim", "grad_accum"), (None, "seed"))
+
+
+def _compare_config(cfg: TrainConfig, resume: Path, rank: int) -> None:
+    """Refuse a checkpoint saved with other [model] architecture settings (its
+    config.toml), and warn (rank 0) when the batches or the data order differ from the
+    saved run's. Run after the load: a checkpoint of other weight shapes is refused there."""
+    import sys
+
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
+    try:
+        saved = tomllib.loads((resume / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none (a checkpoint saved by another program): nothing to compare
+        return
+    now = tomllib.loads(cfg.to_toml())
+    if not now["model"].get("pretrained"):  # (a pretrained model's architecture is its own)
+        for key in _ARCHITECTURE:
+            there, here = saved.get("model", {}).get(key), now["model"][key]
+            if there is not None and there != here:
+                raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: checkpoint {resume} was saved with "
+                                f"model.{key} = {there!r} (its config.toml) and this job has model.{key} = {here!r}: "
+                                f"the weights load, but into another network; resume with model.{key} = {there!r}, "
+                                f"or start this job in another out_dir")
+    if rank == 0:
+        for section, key in _CONTINUITY:
+            there = (saved.get(section, {}) if section else saved).get(key)
+            here = (now[section] if section else now)[key]
+            name = f"{section}.{key}" if section else key
+            if there is not None and there != here:
+                print(f"torchspmd: warning: checkpoint {resume} was saved with {name} = {there!r} and this job has "
+                      f"{name} = {here!r}: it resumes, but does not continue the saved run exactly (its batches or "
+                      f"their order differ from here on)", file=sys.stderr, flush=True)
+
+
 def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> dict:
     """``torchspmd explain``: the job's parameter layouts and the collectives of one
     training step (its micro-batches, the gradient clipping, the optimizer step), printed
@@ -398,9 +461,12 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         try:
             state = ckpt.load(resume, model, opt)
         except ckpt.BadCheckpoint as e:
-            raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: {e}; delete that directory to resume from "
-                            f"the checkpoint before it, or set checkpoint.resume to another checkpoint directory "
-                            f"(or 'none' to start over)") from None
+            raise SpmdError(_bad_checkpoint(cfg.checkpoint.resume, resume, e)) from None
+        except ckpt.CheckpointMismatch as e:
+            raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: {e}; the job that saved it had other "
+                            f"[model] settings (in its config.toml): resume with those, or start this job in another "
+                            f"out_dir") from None
+        _compare_config(cfg, resume, rank)
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
         if rank == 0:
