@@ -226,6 +226,13 @@ def _errors(case):
             ts.mark_sharding(model.blocks[0].fc1.weight, mesh, ("model", None))
             ts.mark_sharding(model.blocks[0].fc2.weight, mesh, (None, "model"))
             ts.FSDPv2(model, mesh=mesh)
+        elif case == "uneven_pair_nested":  # the same, in a unit of its own: named from the model
+            model.blocks[0].fc1 = torch.nn.Linear(M.DIM, 25)
+            model.blocks[0].fc2 = torch.nn.Linear(25, M.DIM)
+            ts.mark_sharding(model.blocks[0].fc1.weight, mesh, ("model", None))
+            ts.mark_sharding(model.blocks[0].fc2.weight, mesh, (None, "model"))
+            ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(ts.transformer_auto_wrap_policy,
+                                                                           transformer_layer_cls={M.Block}))
         elif case == "mha_heads":  # 3 heads over 'model' of size 2
             attn = torch.nn.MultiheadAttention(18, 3, batch_first=True)
             ts.mark_sharding(attn.in_proj_weight, mesh, ("model", None))
@@ -256,6 +263,8 @@ def _errors(case):
     ("other_mesh", r"'blocks.0.fc1.weight' is sharded over another mesh than FSDPv2's"),
     ("uneven_pair", r"'blocks.0.fc1.weight' has 25 output features, which do not split evenly over the "
                     r"'model' axis of size 2"),
+    ("uneven_pair_nested", r"'blocks.0.fc1.weight' has 25 output features, which do not split evenly over the "
+                           r"'model' axis of size 2; its output stays split into 'blocks.0.fc2.weight'"),
     ("strict", r"'blocks.0.norm.weight' \(RMSNorm\) is annotated over 'model' but is gathered whole"),
     ("mha_heads", r"'in_proj_weight' projects to 3 heads, which do not split over the 'model' axis of size 2"),
     ("kv_heads", r"'model.layers.0.self_attn.k_proj.weight' projects to 2 heads, which do not split over the "

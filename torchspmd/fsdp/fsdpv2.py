@@ -173,6 +173,9 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
             raise SpmdError(f"FSDPv2(collectives={collectives!r}): choose one of {', '.join(CHOICES)}")
         options = dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
                        cpu_offload=cpu_offload, collectives=collectives, strict_sharding=strict_sharding)
+        from torchspmd.fsdp import tensor_parallel
+
+        fqn = {m: n for n, m in module.named_modules()}
         if auto_wrap_policy is not None:
             for name, sub in module.named_modules():
                 if isinstance(sub, SpmdFullyShardedDataParallel):
@@ -180,11 +183,12 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
                         f"Expected {name} to NOT be SpmdFullyShardedDataParallel if using an `auto_wrap_policy`: "
                         f"wrap by hand or by policy, not both"
                     )
-            recursive_wrap(
-                module, auto_wrap_policy, auto_wrapper_callable or SpmdFullyShardedDataParallel,
-                only_wrap_children=True, mesh=mesh, shard_output=shard_output, extra_data_axis=extra_data_axis,
-                **options,
-            )
+            with tensor_parallel.naming(fqn):  # messages name parameters as the model does
+                recursive_wrap(
+                    module, auto_wrap_policy, auto_wrapper_callable or SpmdFullyShardedDataParallel,
+                    only_wrap_children=True, mesh=mesh, shard_output=shard_output, extra_data_axis=extra_data_axis,
+                    **options,
+                )
         self._orig_module = module
         module.register_forward_hook(_traversable_output)
         self._mesh = mesh
@@ -198,7 +202,8 @@ class SpmdFullyShardedDataParallel(nn.Module, metaclass=OnXla):
             if isinstance(sub, SpmdFullyShardedDataParallel):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
-        _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
+        with tensor_parallel.naming(fqn):
+            _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
         _tag_replaced(module, before)
         del before  # (the whole parameters: freed before handing their memory back)
         release_freed_memory()  # the whole parameters this process no longer holds

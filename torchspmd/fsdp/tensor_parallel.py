@@ -27,8 +27,10 @@ that an error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 import warnings
 
 import torch
@@ -57,12 +59,29 @@ def _style_of(owner: nn.Module, name: str, dim: int) -> str | None:
     return None
 
 
+_NAMES = threading.local()
+
+
+@contextlib.contextmanager
+def naming(fqn: dict):
+    """While an FSDPv2 root wraps its units, messages name parameters from the root (the
+    model's own names, ``blocks.0.fc1.weight``: ``fqn``, module -> name, taken before
+    wrapping), not from the unit being wrapped."""
+    outer = getattr(_NAMES, "fqn", None)
+    _NAMES.fqn = outer or fqn
+    try:
+        yield
+    finally:
+        _NAMES.fqn = outer
+
+
 def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict: bool = False):
     """Make the tensor-parallel parts of the unit ``module`` (in place, before its
     ``fully_shard``). Returns the annotated parameters left for gathering on use."""
     dmesh = mesh.device_mesh
     names = dict(module.named_modules())
     fqn = {m: n for n, m in names.items()}
+    fqn.update({m: n for m, n in (getattr(_NAMES, "fqn", None) or {}).items() if m in fqn})
     parent: dict[nn.Module, nn.Module] = {}
     for m in module.modules():
         for child in m.children():
