@@ -278,3 +278,40 @@ def test_a_save_that_fails_on_one_process_fails_alike_on_every_process(dist, tmp
     assert ranks == [0, 1]  # the processes are still in step
     assert left == ["step-00000001"]  # the unfinished one is gone, the last good one is there
     assert state == {"step": 1} and same
+
+
+def _hash_fails_on_rank1(root):
+    import torch.distributed as dist
+
+    from torchspmd import checkpoint as ckpt
+
+    model = _wrapped(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _step(model, opt, *_batches()[0])
+    path = ckpt.save(root, 1, model, opt, {"step": 1}, "")
+    real = ckpt._sha256
+
+    def unreadable(f):
+        raise OSError(errno.EIO, "Input/output error")
+
+    if dist.get_rank() == 1:
+        ckpt._sha256 = unreadable
+    try:
+        ckpt.check(path)
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e).replace(root, "ROOT"))
+    finally:
+        ckpt._sha256 = real
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dist.get_rank())  # still in step
+    return error, ranks
+
+
+def test_a_file_one_process_cannot_hash_fails_the_check_alike_everywhere(dist, tmp_path):
+    # rank 1 raised while hashing its share of the files and rank 0 waited in the
+    # all-gather of the hashes: the same error on every process now, and they stay in step
+    error, ranks = same_on_every_rank(dist(2).run(_hash_fails_on_rank1, str(tmp_path / "ck")))
+    assert error == ("DamagedCheckpoint", "checkpoint ROOT/step-00000001 cannot be checked: a file cannot be read "
+                                          "on process 1 (OSError: [Errno 5] Input/output error)")
+    assert ranks == [0, 1]

@@ -99,9 +99,15 @@ def _hashes(folder: Path, names: list[str], collective: bool) -> dict[str, str]:
     ``collective`` every process hashes its share and all get every hash."""
     if not (collective and dist.is_initialized() and _world() > 1):
         return {n: _sha256(folder / n) for n in names}
-    mine = {n: _sha256(folder / n) for n in names[_rank()::_world()]}
+    try:
+        mine: dict | str = {n: _sha256(folder / n) for n in names[_rank()::_world()]}
+    except Exception as e:  # shared with the others, who would otherwise wait for this process's hashes
+        mine = f"a file cannot be read on process {_rank()} ({_why(e)})"
     parts: list = [None] * _world()
     dist.all_gather_object(parts, mine)
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise DamagedCheckpoint(f"checkpoint {folder} cannot be checked: {failed[0]}")
     return {n: h for part in parts for n, h in part.items()}
 
 
