@@ -210,6 +210,86 @@ def test_a_checkpoint_of_a_2d_mesh_resumes_on_a_1d_one(dist, tmp_path):
         torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
 
 
+def _train_with_a_failing_save(out, where):
+    """Train 4 steps, saving every 2, with the save of step 4 failing: ``"rng"`` on process
+    1 alone (its RNG file), ``"model"`` on process 0 (the weights, which it alone writes)."""
+    import torch.distributed as dist
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from torchspmd import SpmdError
+    from torchspmd.hf import Trainer as SpmdTrainer
+
+    def full_disk(step, rank):
+        if step == 4 and dist.get_rank() == rank:
+            raise OSError(28, "No space left on device")
+
+    class Failing(SpmdTrainer):
+        def _save_rng_state(self, output_dir):
+            if where == "rng":
+                full_disk(self.state.global_step, 1)
+            return super()._save_rng_state(output_dir)
+
+        def _save(self, output_dir=None, state_dict=None):
+            if where == "model":
+                full_disk(self.state.global_step, 0)
+            return super()._save(output_dir, state_dict)
+
+    model = _model()
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+    args = _args(out, True, model, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = Failing(model=model, args=args, train_dataset=_token_rows(21, 1), data_collator=collator)
+    try:
+        trainer.train()
+    except SpmdError as e:
+        return str(e), sorted(os.listdir(out)), os.path.basename(get_last_checkpoint(out))
+    return None
+
+
+@pytest.mark.parametrize("where,rank", [("rng", 1), ("model", 0)])
+def test_a_failed_checkpoint_save_fails_everywhere_and_leaves_no_partial_checkpoint(dist, tmp_path, where, rank):
+    out = str(tmp_path / "a")
+    got = dist(2).run(_train_with_a_failing_save, out, where)
+    assert all(g is not None for g in got), got
+    messages = {g[0] for g in got}
+    assert len(messages) == 1, messages  # the same error on every process
+    msg = messages.pop()
+    assert f"checkpoint {out}/checkpoint-4 was not saved" in msg and f"process {rank}" in msg, msg
+    assert "No space left on device" in msg and "the checkpoints saved before it are unchanged" in msg, msg
+    files, last = got[0][1], got[0][2]  # (process 0 removed the unfinished checkpoint before raising)
+    assert files == ["checkpoint-2"] and last == "checkpoint-2", files
+    # resume_from_checkpoint=True takes the last complete checkpoint and goes on exactly
+    whole = dist(2).run(_train_with_checkpoints, str(tmp_path / "b"))[0]
+    resumed = dist(2).run(_train_with_checkpoints, out, True)[0]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(whole[key]), rtol=RTOL, atol=1e-6)
+
+
+def _best_checkpoint(out):
+    from torchspmd.hf import Trainer as SpmdTrainer
+
+    model = _model()
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+    args = _args(out, True, model, max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                 eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=1)
+    trainer = SpmdTrainer(model=model, args=args, train_dataset=_token_rows(21, 1), eval_dataset=_token_rows(7, 2),
+                          data_collator=collator)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    with open(os.path.join(best, "trainer_state.json")) as f:
+        recorded = json.load(f)["best_model_checkpoint"]
+    evals = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r]
+    return best, recorded, sorted(os.listdir(out)), evals
+
+
+def test_the_best_checkpoint_is_recorded_where_it_ends_up(dist, tmp_path):
+    out = str(tmp_path / "a")
+    best, recorded, files, evals = dist(2).run(_best_checkpoint, out)[0]
+    step = 2 * (1 + min(range(len(evals)), key=evals.__getitem__))
+    assert best == recorded == os.path.join(out, f"checkpoint-{step}"), (best, recorded, evals)
+    # save_total_limit=1 with load_best_model_at_end: transformers keeps the best one alone at the end
+    assert files == [f"checkpoint-{step}"], files
+
+
 def _sft(out, sharded, model_axis=1):
     from peft import LoraConfig, PeftModel
     from trl import SFTConfig

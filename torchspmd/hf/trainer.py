@@ -26,7 +26,7 @@ trainer runs the SPMD program torch_xla runs on a TPU host, over all the process
   unevenly, so ``dataloader_drop_last`` is not needed;
 - the causal-LM loss is computed from the global logits: the exact single-device loss,
   also with unevenly padded labels and gradient accumulation;
-- ``save_model`` and checkpoints write a normal Hugging Face directory (safetensors,
+- ``save_model`` and checkpoints (written atomically) write a normal Hugging Face directory (safetensors,
   clean keys; a PEFT model saves its adapter), plus the optimizer state sharded with
   ``torch.distributed.checkpoint`` under ``optimizer/``; ``train(resume_from_checkpoint=...)``
   resumes from it on any number of devices.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = ["Trainer", "SFTTrainer"]  # SFTTrainer: made on first use (needs trl)
 
 OPTIMIZER_DIR = "optimizer"
 SCHEDULER_NAME = "scheduler.pt"
+STAGING_DIR = ".torchspmd-saving"  # where a checkpoint is written before its rename (under the run directory)
 IGNORE_INDEX = -100
 
 
@@ -408,11 +410,13 @@ class Trainer(_StockTrainer):
             return super().save_model(output_dir, _internal_call)
         from torchspmd.fsdp import full_state_dict
 
+        from torchspmd.checkpoint import _on_rank0, _why
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = full_state_dict(self.model_wrapped)  # every process gathers; the first one keeps it
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state)
-        dist.barrier()
+        # the first process writes; a failure there (a full disk) is every process's error
+        _on_rank0(lambda: self._save(output_dir, state_dict=state) if self.args.should_save else None,
+                  lambda e: f"save_model: the model could not be written to {output_dir} ({_why(e)}, on process 0)")
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -447,11 +451,101 @@ class Trainer(_StockTrainer):
 
         from torchspmd.checkpoint import _optim_state
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from torchspmd.checkpoint import _on_rank0, _shards_failed, _why
+
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        dcp.save({"optim": _optim_state(self.model_wrapped, optimizer)},
-                 checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        try:
+            dcp.save({"optim": _optim_state(self.model_wrapped, optimizer)},
+                     checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        except CheckpointException as e:  # (a BaseException, on every process: DCP gathers the failures)
+            raise SpmdError(f"the optimizer state: {_shards_failed(e)}") from None
+        _on_rank0(lambda: torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+                  if self.args.should_save else None,
+                  lambda e: f"the scheduler state could not be written ({_why(e)}, on process 0)")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """transformers' checkpoint, written atomically: into ``<run dir>/.torchspmd-saving/``
+        first, then, once every process has written its part and the files are synced,
+        renamed to ``checkpoint-N`` (one rename), and only then are old checkpoints rotated
+        out. A save that fails on any process raises the same ``SpmdError`` on every process
+        and leaves no ``checkpoint-N`` behind: ``resume_from_checkpoint=True`` takes the last
+        complete one, and the checkpoints saved before are unchanged."""
+        if not self._spmd:
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from torchspmd.checkpoint import _fsync_dir, _on_rank0, _why
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final, staging_root = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_DIR)
+        staging = os.path.join(staging_root, name)
+        unsaved, unchanged = f"checkpoint {final} was not saved", "the checkpoints saved before it are unchanged"
+
+        def prepare() -> None:  # (what a killed save left there goes)
+            if os.path.lexists(staging_root):
+                shutil.rmtree(staging_root)
+            os.makedirs(staging_root)
+
+        _on_rank0(prepare, lambda e: f"{unsaved}: {staging_root} cannot be made ({_why(e)}, on process 0); "
+                                     f"{unchanged}")
+        # transformers writes the checkpoint under the run directory it asks for: the staging one
+        self._get_output_dir = lambda trial=None: staging_root
+        error = None
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as e:
+            error = str(e) if isinstance(e, SpmdError) else _why(e)
+        finally:
+            del self._get_output_dir
+        # every process learns how every other's part went (no process goes on alone)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        errors = [error] * world
+        if world > 1:
+            dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            if self.args.process_index == 0:
+                shutil.rmtree(staging_root, ignore_errors=True)
+            where = "; ".join(f"process {r}: {e}" for r, e in failed[:4])
+            raise SpmdError(f"{unsaved} ({where}); {unchanged}")
+        # transformers recorded the best checkpoint's path as it wrote it (under the staging directory)
+        best = self.state.best_model_checkpoint
+        if best is not None and os.path.dirname(os.path.normpath(best)) == os.path.normpath(staging_root):
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(os.path.normpath(best)))
+        done = {"renamed": False}
+
+        def publish() -> None:
+            if self.args.should_save and best is not None and best != self.state.best_model_checkpoint:
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+            for path, _, files in os.walk(staging):
+                for f in files:
+                    fd = os.open(os.path.join(path, f), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                _fsync_dir(path)
+            if os.path.lexists(final):  # saved by an earlier run that went further
+                aside = os.path.join(staging_root, f"{name}.replaced")
+                os.replace(final, aside)
+            os.replace(staging, final)  # atomic: the checkpoint appears whole or not at all
+            done["renamed"] = True
+            _fsync_dir(run_dir)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            if self.args.should_save:
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+        def publish_failed(e: Exception) -> str:
+            if done["renamed"]:
+                return f"checkpoint {final} is saved, but older checkpoints could not be removed ({_why(e)}, on process 0)"
+            return f"{unsaved} ({_why(e)}, on process 0, completing it); {unchanged}"
+
+        _on_rank0(publish, publish_failed)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._spmd:
