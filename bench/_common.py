@@ -45,18 +45,25 @@ class CpuUse:
                 "csw_voluntary": self.voluntary / n, "csw_involuntary": self.involuntary / n}
 
 
-def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None = None) -> list[float]:
+def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None = None,
+                autocast=None) -> list[float]:
     """Train on every batch of ``loader``; return the seconds of each step after ``warmup``
-    (and add the timed steps' CPU use to ``cpu``)."""
+    (and add the timed steps' CPU use to ``cpu``). ``autocast``: a context factory the
+    forward and the loss run in (``torch.autocast``)."""
+    import contextlib
+
     import torch.nn.functional as F
+
+    autocast = autocast or contextlib.nullcontext
 
     times = []
     for step, (x, y) in enumerate(loader):
         t0 = time.perf_counter()
         c0 = CpuUse.now()
-        out = model(x)
-        logits = out if hasattr(out, "reshape") else out["logits"]  # a transformers model returns an output object
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        with autocast():
+            out = model(x)
+            logits = out if hasattr(out, "reshape") else out["logits"]  # a transformers model returns an output object
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()

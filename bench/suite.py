@@ -27,6 +27,11 @@ Models: ``seed``, the 107M-parameter seed decoder (vocab 3200, dim 1024, 8 layer
 classes imported at the top of this file, as a program imports them: every run, of either
 model, has transformers loaded). The scaling run trains torchspmd FSDPv2 on 1, 2 and 4 processes at two model sizes.
 
+``--dtype bf16`` runs every strategy's forward and loss under bf16 autocast
+(``torch.autocast('cpu')``; ``torch.autocast('xla')`` for torch_xla's runs) over fp32
+parameters, gradients and Adam state (the like-for-like bf16 comparison), writing
+``suite_bf16.*`` (and README.md's ``bench-bf16`` block, if it has one).
+
 ``--2d`` runs only the 2D comparison (tensor parallel x FSDP, 4 processes on a (2, 2)
 mesh, the ``small`` seed decoder, same global batches): torchspmd FSDPv2 with the MLP and
 LM-head weights annotated over ``'model'`` (``2d-fsdpv2``), against the composition
@@ -134,7 +139,18 @@ def _data(vocab: int, steps: int):
     return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
+def _autocast(device: str, dtype: str):
+    """The forward's and the loss's context: bf16 autocast (fp32 parameters, gradients and
+    optimizer state; matrix products in bf16), the same for every strategy."""
+    import functools
+
+    import torch
+
+    return functools.partial(torch.autocast, device, dtype=torch.bfloat16) if dtype == "bf16" else None
+
+
+def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, result: str,
+           dtype: str = "fp32") -> None:
     import torch
 
     model, layer_cls, vocab = _build(model_name, size)
@@ -172,7 +188,7 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # PyTorch's fused CPU Adam kernel
     cpu = CpuUse()
-    times = timed_steps(model, opt, loader, vocab, warmup, cpu)
+    times = timed_steps(model, opt, loader, vocab, warmup, cpu, _autocast("cpu", dtype))
     if rank == 0:
         write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30,
                      **cpu.per_step())
@@ -360,11 +376,12 @@ def run_2d(repeats: int, steps: int, warmup: int) -> None:
     print(text)
 
 
-def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str, api: str) -> None:
+def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str, api: str,
+               dtype: str = "fp32") -> None:
     """FSDPv2 on PJRT_DEVICE=CPU devices, one process (torch_xla's venv): written with
     torch_xla's API (``api="xla"``) or with torchspmd's on its XLA backend."""
     if api == "xla-torchspmd":
-        return _torchspmd_xla_worker(model_name, size, steps, warmup, result)
+        return _torchspmd_xla_worker(model_name, size, steps, warmup, result, dtype)
     import functools
 
     import numpy as np
@@ -392,25 +409,29 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
     model = FSDPv2(model, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy)
     loader = pl.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), device,
                                input_sharding=xs.ShardingSpec(mesh, ("fsdp", None)))
-    _xla_timed(model, loader, vocab, warmup, n, result, "xla", torch_xla.step)
+    _xla_timed(model, loader, vocab, warmup, n, result, "xla", torch_xla.step, dtype)
 
 
-def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, strategy: str, in_step) -> None:
+def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, strategy: str, in_step,
+               dtype: str = "fp32") -> None:
     """Adam steps over ``loader``, each inside ``in_step()`` (which runs its graph on leaving);
     the result is written as ``strategy``'s."""
+    import contextlib
     import time
 
     import torch
     import torch.nn.functional as F
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    autocast = _autocast("xla", dtype) or contextlib.nullcontext
     times, cpu = [], CpuUse()
     for step, (x, y) in enumerate(loader):
         t0, c0 = time.perf_counter(), CpuUse.now()
         with in_step():
-            out = model(x)
-            logits = out if isinstance(out, torch.Tensor) else out.logits
-            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+            with autocast():
+                out = model(x)
+                logits = out if isinstance(out, torch.Tensor) else out.logits
+                loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -422,7 +443,8 @@ def _xla_timed(model, loader, vocab: int, warmup: int, n: int, result: str, stra
     write_result(result, strategy, BATCH * SEQ, times, state_gb=state / 2**30, **cpu.per_step())
 
 
-def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str) -> None:
+def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
+                          dtype: str = "fp32") -> None:
     """The same program written with torchspmd's API."""
     import functools
 
@@ -440,18 +462,19 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
     model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
     loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(vocab, steps), batch_size=BATCH), ts.device(),
                                input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    _xla_timed(model, loader, vocab, warmup, n, result, "xla-torchspmd", ts.step)
+    _xla_timed(model, loader, vocab, warmup, n, result, "xla-torchspmd", ts.step, dtype)
 
 
 def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
-             api: str = "xla") -> dict | None:
+             api: str = "xla", dtype: str = "fp32") -> dict | None:
     from torchspmd._launch import _allocator_env
 
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
     env.update(_allocator_env(env))  # the malloc settings the PyTorch runs get (XLA's buffers have their own allocator)
     r, pss = run_measured([python, __file__, "--xla-worker", api, "--models", model, "--size", size, "--steps",
-                           str(steps), "--warmup", str(warmup), "--result", str(result)], env, timeout=1200,
+                           str(steps), "--warmup", str(warmup), "--result", str(result), "--dtype", dtype], env,
+                          timeout=1200,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         print(f"torch_xla run failed ({model}, x{nproc}):\n{r.stderr[-2000:]}")
@@ -575,6 +598,9 @@ def main() -> None:
     p.add_argument("--2d", dest="two_d", action="store_true",
                    help="run only the 2D (tensor parallel x FSDP) comparison; writes bench/results/suite_2d.*")
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration, interleaved")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: every strategy's forward and loss under bf16 autocast (torch.autocast on 'cpu', on "
+                        "'xla' for torch_xla), fp32 parameters, gradients and Adam state; results go to suite_bf16.*")
     p.add_argument("--out", default=str(HERE / "results"), help="where the results go (README.md is updated only "
                                                                 "for the default)")
     p.add_argument("--tables-from", metavar="JSON",
@@ -588,9 +614,9 @@ def main() -> None:
     if a.worker in (*TWO_D, "2d-single"):
         return worker_2d(a.worker, a.steps, a.warmup, a.result)
     if a.worker:
-        return worker(a.worker, a.models[0], a.size, a.steps, a.warmup, a.result)
+        return worker(a.worker, a.models[0], a.size, a.steps, a.warmup, a.result, a.dtype)
     if a.xla_worker:
-        return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result, a.xla_worker)
+        return xla_worker(a.models[0], a.size, a.steps, a.warmup, a.result, a.xla_worker, a.dtype)
     (HERE / "results").mkdir(exist_ok=True)
     if a.tables_from:
         saved = json.loads(Path(a.tables_from).read_text())
@@ -598,13 +624,13 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         return _write(out, saved["results"], saved.get("scaling", []), saved.get("failed", []),
                       saved.get("steps", a.steps), saved.get("warmup", a.warmup), saved["repeats"],
-                      saved.get("command", "python bench/suite.py"))
+                      saved.get("command", "python bench/suite.py"), saved.get("dtype", "fp32"))
     if a.two_d:
         return run_2d(a.repeats, a.steps, a.warmup)
     xla = _xla_python()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
+    common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype]
     configs = [(model, s, n) for model in a.models for s, n in
                ([("single", 1)] if "single" in a.strategies else [])
                + [(s, n) for n in a.nproc for s in a.strategies if s != "single"]
@@ -616,7 +642,7 @@ def main() -> None:
         for model, strategy, nproc in configs[k:] + configs[:k]:  # rotated: each round starts elsewhere
             tmp = out / f".{model}{strategy}{nproc}.json"
             if strategy in XLA:
-                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy)
+                row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy, a.dtype)
             else:
                 try:
                     env = {"TORCHSPMD_BIND_CORES": "0"} if strategy == "fsdpv2-unbound" else {}
@@ -676,8 +702,9 @@ def main() -> None:
                     failed.append(f"scaling {size} x{nproc} (exit {e.returncode})")
                     continue
                 scaling.append({**row, "size": size, "nproc": nproc})
-    if a.update and (out / "suite.json").exists():
-        old = json.loads((out / "suite.json").read_text())
+    stem = _stem(a.dtype)
+    if a.update and (out / f"{stem}.json").exists():
+        old = json.loads((out / f"{stem}.json").read_text())
         for model, rows in results.items():
             new = {(r["strategy"], r["nproc"]) for r in rows}
             kept = [r for r in old["results"].get(model, []) if (r["strategy"], r["nproc"]) not in new]
@@ -690,22 +717,31 @@ def main() -> None:
                 r.setdefault("run", old.get("run", 1))
                 if (model, r["strategy"], r["nproc"]) in runs:
                     r["run"] = old.get("run", 1) + 1
-    _write(out, results, scaling, failed, a.steps, a.warmup, a.repeats, " ".join(["python bench/suite.py", *sys.argv[1:]]))
+    _write(out, results, scaling, failed, a.steps, a.warmup, a.repeats, " ".join(["python bench/suite.py", *sys.argv[1:]]),
+           a.dtype)
+
+
+def _stem(dtype: str) -> str:
+    return "suite" if dtype == "fp32" else f"suite_{dtype}"
 
 
 def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, warmup: int, repeats: int,
-           command: str) -> None:
+           command: str, dtype: str = "fp32") -> None:
     """The tables (suite.md, README.md's block when ``out`` is bench/results), suite.json and
-    suite.png of these results."""
+    suite.png of these results (suite_bf16.* and README.md's bf16 block for ``dtype="bf16"``)."""
     import torch
 
-    lines = ["## Benchmarks", "",
+    stem = _stem(dtype)
+    lines = ["## Benchmarks" + (" in bf16" if dtype == "bf16" else ""), "",
              f"`{command}` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam (PyTorch's fused CPU kernel; torch_xla's runs "
              f"compile theirs into the step), one FSDP unit per decoder layer; every process with the malloc settings "
              f"`torchspmd run` gives its workers (docs/performance.md); each run's tokens/s is the median of its {steps - warmup} timed steps; {repeats} runs of each "
              f"configuration, interleaved (rotated order each round). The processes share the cores (OMP threads = "
-             f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges.", ""]
+             f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges."
+             + (" bf16: every strategy runs its forward and loss under bf16 autocast (`torch.autocast('cpu')`, "
+                "`torch.autocast('xla')` for torch_xla's runs) over fp32 parameters, gradients and Adam state."
+                if dtype == "bf16" else ""), ""]
     later = sorted({r["run"] for rows in results.values() for r in rows if r.get("run", 1) > 1})
     if later:
         lines += ["Rows marked * come from a later run of the same command with `--update` (those strategies "
@@ -724,16 +760,19 @@ def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, wa
                          f"{r['state_gb']:.3f} |")
         lines.append("")
     text = "\n".join(lines)
-    (out / "suite.md").write_text(text)
-    (out / "suite.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": repeats,
-                                                "steps": steps, "warmup": warmup, "failed": failed, "command": command,
-                                                "run": max([1, *later])}, indent=1))
-    _plot(results, scaling, out / "suite.png")
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": repeats,
+                                                  "steps": steps, "warmup": warmup, "failed": failed,
+                                                  "command": command, "run": max([1, *later]), "dtype": dtype},
+                                                 indent=1))
+    _plot(results, scaling, out / f"{stem}.png")
     readme = ROOT / "README.md"
     body = readme.read_text()
-    block = "<!-- bench:start -->\n" + text.replace("## Benchmarks\n\n", "") + "\n![](bench/results/suite.png)\n<!-- bench:end -->"
-    if "<!-- bench:start -->" in body and out.resolve() == (HERE / "results").resolve():
-        body = re.sub(r"<!-- bench:start -->.*?<!-- bench:end -->", lambda m: block, body, flags=re.S)
+    mark = "bench" if dtype == "fp32" else f"bench-{dtype}"
+    block = (f"<!-- {mark}:start -->\n" + text.split("\n", 2)[2] + f"\n![](bench/results/{stem}.png)\n"
+             f"<!-- {mark}:end -->")
+    if f"<!-- {mark}:start -->" in body and out.resolve() == (HERE / "results").resolve():
+        body = re.sub(rf"<!-- {mark}:start -->.*?<!-- {mark}:end -->", lambda m: block, body, flags=re.S)
         readme.write_text(body)
     print(text)
 
