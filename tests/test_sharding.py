@@ -142,6 +142,25 @@ def _layout_changes():
             ts.get_sharding(lin.weight) == ("x", None), ts.get_sharding(t))
 
 
+def _clear_in_place():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 5)
+    whole = lin.weight.detach().clone()
+    ts.mark_sharding(lin.weight, Mesh(np.arange(4), (4,), ("x",)), ("x", None))
+    back = ts.clear_sharding(lin.weight)
+    cleared = (back is lin.weight, isinstance(lin.weight, torch.nn.Parameter),
+               isinstance(lin.weight, torch.distributed.tensor.DTensor), torch.equal(lin.weight.detach(), whole),
+               ts.get_sharding(lin.weight))
+    # as torch_xla: the cleared parameter can be annotated again, on another mesh
+    ts.mark_sharding(lin.weight, Mesh(np.arange(4), (2, 2), ("a", "b")), (None, "b"))
+    return cleared, ts.get_sharding(lin.weight)
+
+
+def test_clear_sharding_clears_a_parameter_in_place(dist):
+    for cleared, remarked in dist(4).run(_clear_in_place):
+        assert cleared == (True, True, False, True, None) and remarked == (None, "b")
+
+
 def test_remark_clear_autograd_and_parameters(dist):
     results = dist(2).run(_layout_changes)
     t = torch.arange(12.0).reshape(4, 3)

@@ -318,9 +318,18 @@ def _like_param(mesh, placements, grad):
 
 @on_xla
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
-    """Drop the sharding: the whole value as a plain tensor on every process."""
+    """Drop the sharding: the whole value as a plain tensor on every process. As torch_xla's
+    (which clears the annotation in place), a parameter or buffer is replaced by its whole
+    value in every module slot holding it."""
     if isinstance(t, DTensor):
-        return t.full_tensor()
+        whole = t.full_tensor()
+        if t.is_leaf:
+            if isinstance(t, torch.nn.Parameter):
+                whole = torch.nn.Parameter(whole.detach(), requires_grad=t.requires_grad)
+                if _owners.slots(t):
+                    _stale.mark_replaced(t, "a parameter that clear_sharding replaced with its whole value")
+            _owners.replace(t, whole)
+        return whole
     return t
 
 
