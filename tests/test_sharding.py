@@ -161,6 +161,61 @@ def test_clear_sharding_clears_a_parameter_in_place(dist):
         assert cleared == (True, True, False, True, None) and remarked == (None, "b")
 
 
+_WRITES = {  # label-masking idioms on a batch split over its rows
+    "y[:, -1] = -100": lambda y: y.__setitem__((slice(None), -1), -100),
+    "y[0] = -100": lambda y: y.__setitem__(0, -100),
+    "y[y == 5] = -100": lambda y: y.__setitem__(y == 5, -100),
+    "y[1:, 1:] = 0": lambda y: y.__setitem__((slice(1, None), slice(1, None)), 0),
+    "y[2:5, 0] = tensor(-1)": lambda y: y.__setitem__((slice(2, 5), 0), torch.tensor(-1)),
+    "y[::2] = 7": lambda y: y.__setitem__(slice(None, None, 2), 7),
+    "y[[0, 6]] = 3": lambda y: y.__setitem__([0, 6], 3),
+    "y[1] = arange(3)": lambda y: y.__setitem__(1, torch.arange(3)),
+    "y[1:3] += 1": lambda y: y.__setitem__(slice(1, 3), y[1:3].__iadd__(1)),
+    "y[:, -1].fill_(-100)": lambda y: y[:, -1].fill_(-100),  # a view that keeps the rows: written in place
+    # parts that cut the rows: copies on each device, written through into the rows
+    "y[0].fill_(-100)": lambda y: y[0].fill_(-100),
+    "y[2:5].zero_()": lambda y: y[2:5].zero_(),
+    "y[2:5][:, 0].fill_(-1)": lambda y: y[2:5][:, 0].fill_(-1),
+    "y.split(3)[1].mul_(2)": lambda y: y.split(3)[1].mul_(2),
+    "y.narrow(0, 1, 5).t()[1].copy_(...)": lambda y: y.narrow(0, 1, 5).t()[1].copy_(torch.arange(5)),
+    # flattening 7 rows split over the devices: no torch.chunk layout, gathered (a copy)
+    "y.view(-1).masked_fill_(...)": lambda y: y.view(-1).masked_fill_(torch.arange(21) % 4 == 1, -7),
+}
+
+
+def _writes_into_a_sharded_batch():
+    from torchspmd import SpmdError
+
+    n = ts.global_runtime_device_count()
+    mesh = Mesh(np.arange(n), (n,), ("data",))
+    ref = torch.randint(0, 10, (7, 3), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, write in _WRITES.items():
+        y, one = ts.mark_sharding(ref.clone(), mesh, ("data", None)), ref.clone()
+        write(y)
+        write(one)  # one device: plain torch
+        results[name] = (torch.equal(y.full_tensor(), one), ts.get_sharding(y))
+    # a write into such a part while autograd records it is refused
+    w = ts.mark_sharding(torch.randn(7, 3, generator=torch.Generator().manual_seed(1)), mesh, ("data", None))
+    w.requires_grad_(True)
+    h = w * 2
+    try:
+        h[0].mul_(3)
+        refused = None
+    except SpmdError as e:
+        refused = str(e)
+    return results, refused
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_writes_into_a_sharded_batch_are_one_devices(dist, world):
+    # y[0] of a batch split over its rows is a copy (DTensor gathers it); an in-place write into
+    # it was lost silently, and assignments of a Python scalar failed (no rule for fill_.Tensor)
+    for results, refused in dist(world).run(_writes_into_a_sharded_batch):
+        assert results == {name: (True, ("data", None)) for name in _WRITES}, results
+        assert refused is not None and "while autograd records it" in refused and "masked_fill_" in refused
+
+
 def test_remark_clear_autograd_and_parameters(dist):
     results = dist(2).run(_layout_changes)
     t = torch.arange(12.0).reshape(4, 3)

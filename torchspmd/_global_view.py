@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchspmd import _early, _replicas, _rng
 from torchspmd._chunks import block_of
+from torchspmd._errors import SpmdError
 from torchspmd._chunks import contiguous_stride as _contiguous_stride
 
 aten = torch.ops.aten
@@ -146,6 +147,13 @@ class _ReplicateUnannotated(TorchFunctionMode):
             # the same values (the results are then ordinary tensors without gradients).
             with torch.inference_mode(False), torch.no_grad():
                 return self.__torch_function__(func, types, args, kwargs)
+        copy = args[0] if args and _writes_into_a_copy(func, args[0]) else None
+        if args and isinstance(args[0], DTensor) and func is torch.Tensor.__setitem__ \
+                and _writable_by_blocks(args[0], args[2] if len(args) > 2 else None):
+            _setitem(*args[:3])
+            if copy is not None:
+                _write_through(copy)
+            return None
         if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
             return _whole_on_host(func, args, kwargs)
         if func in _TO_PYTHON and args and isinstance(args[0], DTensor):
@@ -167,6 +175,10 @@ class _ReplicateUnannotated(TorchFunctionMode):
         if func in _NO_IDENTITY:  # every process computes it whole, as one device would
             args = tuple(_whole_where_a_block_is_empty(a) for a in args)
         out = func(*args, **kwargs)
+        if func in _VIEWS and isinstance(args[0], DTensor):
+            _tag_copies(func, args, kwargs, out)
+        elif copy is not None:
+            _write_through(copy)
         if args and func in _early._SCALINGS and isinstance(args[0], DTensor):
             _early.derive(func, args, kwargs, out)  # loss / accumulation_steps: item() of the loss's pending sum
         elif func is torch.nn.functional.embedding and isinstance(out, DTensor) and \
@@ -260,6 +272,117 @@ def _whole_where_a_block_is_empty(a: Any) -> Any:
     if isinstance(a, DTensor) and _some_block_empty(a):
         return a.redistribute(a.device_mesh, [Replicate() if p.is_shard() else p for p in a.placements])
     return a
+
+# ---------------------------------------------------------------------------
+# Writes into a sharded tensor through indexing.
+# ---------------------------------------------------------------------------
+# A view that cuts a sharded dim (``y[0]``, ``y[2:5]`` of a batch split over its rows) has no
+# layout DTensor can express: DTensor gathers and returns a copy. Reading it is exact; an
+# in-place write into it would change the copy alone, where one device changes ``y``. So
+# such copies remember where they come from, and a write into one (or into a view of one)
+# is written through into ``y``'s blocks. Assignments (``y[key] = v``) are done on the
+# whole value and written back into each device's block.
+
+#: functions that return a view of their input on one device
+_VIEWS = {
+    torch.Tensor.__getitem__, torch.Tensor.select, torch.select, torch.Tensor.narrow, torch.narrow,
+    torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, torch.Tensor.unbind, torch.unbind,
+    torch.Tensor.tensor_split, torch.tensor_split, torch.Tensor.view, torch.Tensor.transpose,
+    torch.transpose, torch.Tensor.t, torch.t, torch.Tensor.permute, torch.permute, torch.Tensor.unsqueeze,
+    torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze, torch.Tensor.expand,
+    torch.Tensor.diagonal, torch.diagonal, torch.Tensor.movedim, torch.movedim, torch.Tensor.unflatten,
+    torch.Tensor.swapaxes, torch.swapaxes,
+}
+#: in-place methods that do not write values
+_NOT_WRITES = {"requires_grad_", "retain_grad", "share_memory_", "record_stream", "detach_"}
+
+
+def _basic_key(key: Any) -> bool:
+    """Whether indexing by ``key`` gives a view on one device (ints, slices, None, ...)."""
+    items = key if type(key) is tuple else (key,)
+    return all(k is None or k is Ellipsis or type(k) in (int, slice) for k in items)
+
+
+def _storage(t: DTensor) -> int:
+    return t._local_tensor.untyped_storage().data_ptr()
+
+
+def _tag_copies(func, args: tuple, kwargs: dict, out: Any) -> None:
+    """Mark the results of a view function that are copies of ``args[0]``'s data (or views
+    of such a copy) rather than views of it, with how to find their place in the source."""
+    x = args[0]
+    if func is torch.Tensor.__getitem__ and not _basic_key(args[1]):
+        return  # advanced indexing copies on one device too
+    cut = getattr(x, "_torchspmd_cut", None)
+    several = isinstance(out, (tuple, list))
+    for i, t in enumerate(out if several else (out,)):
+        if not isinstance(t, DTensor):
+            continue
+        step = (func, args[1:], kwargs, i if several else None)
+        if cut is not None:
+            if _storage(t) == _storage(x):  # a view of the copy: a copy too
+                t._torchspmd_cut = (cut[0], [*cut[1], step])
+        elif _storage(t) != _storage(x) and any(p.is_shard() for p in x.placements):
+            t._torchspmd_cut = (x, [step])
+
+
+def _writes_into_a_copy(func, t: Any) -> bool:
+    if getattr(t, "_torchspmd_cut", None) is None:
+        return False
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)
+
+
+def _write_through(t: DTensor) -> None:
+    """``t`` (a copy of part of a sharded tensor, see ``_tag_copies``) was written in place:
+    write its values into the part of the source it stands for, as one device would have."""
+    source, chain = t._torchspmd_cut
+    if not _writable_by_blocks(source, t):
+        raise SpmdError(
+            "an in-place write into a part of a sharded tensor that cuts a sharded dim (such as y[0] of a "
+            "batch split over its rows) while autograd records it, or into a tensor laid out as a pending sum or "
+            "a strided split: not supported; write over the whole tensor (`y.masked_fill_(mask, value)`, "
+            "`torch.where`), or under torch.no_grad()")
+    full = source.full_tensor()
+    view = full
+    for func, rest, kwargs, i in chain:  # the same views of the whole value
+        view = func(view, *rest, **kwargs)
+        if i is not None:
+            view = view[i]
+    view.copy_(t.full_tensor())
+    _keep_block(source, full)
+
+
+def _keep_block(y: DTensor, full: torch.Tensor) -> None:
+    """Each process writes its block of ``full`` (``y``'s whole value) into ``y``."""
+    mesh = y.device_mesh
+    block = block_of(y.shape, list(mesh.shape), y.placements, list(mesh.get_coordinate()))
+    y._local_tensor.copy_(full[tuple(slice(start, start + length) for start, length in block)])
+
+
+def _writable_by_blocks(y: DTensor, value: Any) -> bool:
+    """``y[key] = value`` can be done on the whole value and written back block by block: y is
+    split in chunks or replicated (no pending sum, no strided split) and no gradient is involved."""
+    if any(p.is_partial() or (p.is_shard() and type(p) is not Shard) for p in y.placements):
+        return False
+    return not (torch.is_grad_enabled() and (y.requires_grad or getattr(value, "requires_grad", False)))
+
+
+def _setitem(y: DTensor, key: Any, value: Any) -> None:
+    """``y[key] = value`` as one device does it: on the whole value (every process), then
+    each process keeps its block."""
+
+    def whole(a):
+        if isinstance(a, DTensor):
+            return a.full_tensor()
+        if type(a) in (tuple, list):
+            return type(a)(whole(b) for b in a)
+        return a
+
+    full = y.full_tensor()
+    full[whole(key)] = whole(value)
+    _keep_block(y, full)
+
 
 _MODE: _ReplicateUnannotated | None = None
 
