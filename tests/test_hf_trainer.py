@@ -73,7 +73,8 @@ def _history(trainer):
 
 def _train_lm(out, sharded, model_axis=1, **extra):
     """Train the tiny Llama 3 steps (2 epochs, accumulation 2, uneven padding); return
-    the losses, gradient norms, eval loss and how the parameters are laid out."""
+    the losses, gradient norms, eval loss, predictions (with a short last batch) and how the
+    parameters are laid out."""
     from torch.distributed.tensor import DTensor
 
     if sharded:
@@ -83,11 +84,13 @@ def _train_lm(out, sharded, model_axis=1, **extra):
     model = _model()
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
     trainer = cls(model=model, args=_args(out, sharded, model, model_axis, **extra), train_dataset=_token_rows(21, 1),
-                  eval_dataset=_token_rows(14, 2), data_collator=collator)
+                  eval_dataset=_token_rows(12, 2), data_collator=collator)
     trainer.train()
     result = _history(trainer)
+    # 12 rows, batches of 7: the last batch of 5 rows weighs 5/12 in the evaluation loss; on 4
+    # devices it can't be split (2, 2, 1, 0): it is made up to 7 rows, the 2 added ones taken out
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
-    pred = trainer.predict(_token_rows(14, 2))
+    pred = trainer.predict(_token_rows(12, 2))
     result["predictions"] = torch.as_tensor(pred.predictions)
     params = list(trainer.model.parameters())
     result["dtensor"] = all(isinstance(p, DTensor) for p in params)
@@ -411,3 +414,140 @@ def _optimizer_given(out):
 def test_an_optimizer_made_before_sharding_is_refused(dist, tmp_path):
     msg = dist(2).run(_optimizer_given, str(tmp_path))[0]
     assert msg is not None and "optimizer_cls_and_kwargs" in msg
+
+
+# -- label smoothing, short last batches (evaluation, prediction, an IterableDataset) ---------
+def _row_count_metrics(pred):
+    """What compute_metrics sees: the rows and a sum over their labelled positions."""
+    import numpy as np
+
+    labels, logits = pred.label_ids, pred.predictions
+    if not isinstance(labels, list):  # (eval_do_concat_batches=False: a list of batches)
+        labels, logits = [labels], [logits]
+    rows = sum(np.asarray(b).shape[0] for b in labels)
+    total = sum(float(np.asarray(p)[np.asarray(b) != -100].sum()) for p, b in zip(logits, labels))
+    return {"rows": float(rows), "logit_sum": total}
+
+
+def _edges(out, sharded):
+    """label_smoothing_factor=0.1; training on an IterableDataset of 15 rows (batch 7 on 2
+    devices: the last 1-row batch of each pass is left out by torchspmd, so the stock run,
+    the oracle, reads the first 14 rows); evaluation and prediction of 15 rows (the last
+    batch of 1 row can't be split: it is made up to 2 rows and the added row taken out again)
+    and of 16 (a last batch of 2 rows), with compute_metrics, without labels, per batch
+    (eval_do_concat_batches=False) and from an IterableDataset."""
+    import warnings
+
+    import numpy as np
+
+    if sharded:
+        from torchspmd.hf import Trainer as cls
+    else:
+        cls = transformers.Trainer
+    model = _model()
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+    train = _token_rows(15, 1)
+    train = (train if sharded else train.select(range(14))).to_iterable_dataset()
+    trainer = cls(model=model, args=_args(out, sharded, model, label_smoothing_factor=0.1), train_dataset=train,
+                  data_collator=collator, compute_metrics=_row_count_metrics)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    result = _history(trainer)
+    result["left_out"] = sum("the last batch of 1 rows" in str(w.message) for w in caught)
+    for n in (15, 16):
+        metrics = trainer.evaluate(_token_rows(n, 2))
+        result[f"eval{n}"] = {k: metrics[f"eval_{k}"] for k in ("loss", "rows", "logit_sum")}
+    pred = trainer.predict(_token_rows(15, 2))
+    result["predictions"] = torch.as_tensor(pred.predictions)
+    result["label_ids"] = torch.as_tensor(pred.label_ids)
+    result["iterable_predictions"] = torch.as_tensor(trainer.predict(_token_rows(15, 2).to_iterable_dataset())
+                                                     .predictions)
+    trainer.args.eval_do_concat_batches = False
+    batches = trainer.predict(_token_rows(15, 2)).predictions
+    result["batch_shapes"] = [tuple(np.asarray(b).shape) for b in batches]
+    trainer.args.eval_do_concat_batches = True
+    trainer.data_collator = transformers.DataCollatorWithPadding(_tokenizer())  # no labels
+    unlabelled = trainer.predict(_token_rows(15, 2))
+    result["unlabelled"] = (torch.as_tensor(unlabelled.predictions), unlabelled.label_ids)
+    return result
+
+
+def test_label_smoothing_and_short_last_batches_match_the_stock_trainer(dist, tmp_path):
+    oracle = run_clean(_edges, str(tmp_path / "one"), False)
+    got = dist(2).run(_edges, str(tmp_path / "two"), True)
+    for r in got:  # every process holds the global results
+        assert len(r["loss"]) == 3 and r["left_out"] >= 1
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(oracle[key]), rtol=RTOL, atol=1e-6)
+        for n in (15, 16):
+            assert r[f"eval{n}"]["rows"] == oracle[f"eval{n}"]["rows"] == n
+            for key in ("loss", "logit_sum"):
+                torch.testing.assert_close(r[f"eval{n}"][key], oracle[f"eval{n}"][key], rtol=RTOL, atol=1e-5)
+        assert r["predictions"].shape[0] == r["label_ids"].shape[0] == 15
+        torch.testing.assert_close(r["predictions"], oracle["predictions"], rtol=RTOL, atol=1e-5)
+        assert torch.equal(r["label_ids"], oracle["label_ids"])
+        torch.testing.assert_close(r["iterable_predictions"], oracle["iterable_predictions"], rtol=RTOL, atol=1e-5)
+        assert r["batch_shapes"] == oracle["batch_shapes"] and r["batch_shapes"][-1][0] == 1
+        assert r["unlabelled"][1] is None and oracle["unlabelled"][1] is None
+        torch.testing.assert_close(r["unlabelled"][0], oracle["unlabelled"][0], rtol=RTOL, atol=1e-5)
+
+
+# -- an MoE model's router load-balancing loss --------------------------------------------------
+def _train_moe(out, sharded):
+    if sharded:
+        from torchspmd.hf import Trainer as cls
+    else:
+        cls = transformers.Trainer
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                        router_aux_loss_coef=0.5, max_position_embeddings=64, pad_token_id=0,
+                                        eos_token_id=2)
+    model = transformers.MixtralForCausalLM(config)
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
+    trainer = cls(model=model, args=_args(out, sharded, model), train_dataset=_token_rows(21, 1),
+                  eval_dataset=_token_rows(15, 2), data_collator=collator)
+    trainer.train()
+    result = _history(trainer)
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return result
+
+
+def test_an_moe_models_router_aux_loss_is_the_one_of_the_whole_batch(dist, tmp_path):
+    # Mixtral with output_router_logits: the stock model adds router_aux_loss_coef times its
+    # load-balancing loss (over the whole batch, padding masked out) to the loss
+    oracle = run_clean(_train_moe, str(tmp_path / "one"), False)
+    got = dist(2).run(_train_moe, str(tmp_path / "two"), True)[0]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(oracle[key]), rtol=RTOL, atol=1e-6)
+    torch.testing.assert_close(got["eval_loss"], oracle["eval_loss"], rtol=RTOL, atol=1e-6)
+
+
+# -- SFTTrainer: padding-free packing ------------------------------------------------------------
+def _sft_packing(out):
+    from trl import SFTConfig
+
+    from torchspmd import SpmdError
+    from torchspmd.hf import SFTTrainer, fsdp_v2
+
+    model = _model()
+    messages = []
+    # (padding_free without packing: trl wants max_length=None)
+    for extra in (dict(packing=True, max_length=32), dict(padding_free=True, max_length=None)):
+        args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+                         bf16=False, **extra, **fsdp_v2.get_fsdp_training_args(model))
+        try:
+            SFTTrainer(model=model, args=args, train_dataset=_texts(8, 3), processing_class=_tokenizer())
+        except SpmdError as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+    return messages
+
+
+def test_sft_padding_free_packing_is_refused_naming_the_setting(dist, tmp_path):
+    for messages in dist(2).run(_sft_packing, str(tmp_path)):
+        for msg in messages:
+            assert msg is not None and "packing_strategy='wrapped'" in msg and "padding_free=True" in msg, msg

@@ -22,10 +22,13 @@ trainer runs the SPMD program torch_xla runs on a TPU host, over all the process
 - ``per_device_train_batch_size`` is the global batch of one step (torch_xla's SPMD
   meaning: the batch of the one program, split over the devices): every process reads
   and collates the whole batch (so that dynamic padding agrees) and keeps its rows;
-  a last batch with fewer rows than devices is dropped, other uneven batches are split
-  unevenly, so ``dataloader_drop_last`` is not needed;
+  in training a last batch that can't give every device a row is left out, other uneven
+  batches are split unevenly, so ``dataloader_drop_last`` is not needed; in evaluation and
+  prediction such a batch is made up by repeating its last row, and the rows added are
+  taken out of the loss and the results (which have the stock trainer's rows);
 - the causal-LM loss is computed from the global logits: the exact single-device loss,
-  also with unevenly padded labels and gradient accumulation;
+  also with unevenly padded labels, gradient accumulation, ``label_smoothing_factor`` and
+  an MoE model's router load-balancing loss (over the global batch);
 - ``save_model`` and checkpoints (written atomically) write a normal Hugging Face directory (safetensors,
   clean keys; a PEFT model saves its adapter), plus the optimizer state sharded with
   ``torch.distributed.checkpoint`` under ``optimizer/``; ``train(resume_from_checkpoint=...)``
@@ -37,6 +40,7 @@ classes are transformers' and trl's unchanged.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import os
 import shutil
@@ -85,12 +89,14 @@ class _EpochRandomSampler(RandomSampler):
 
 
 class _GlobalBatches(BatchSampler):
-    """Global batches of indices; a last batch too small to give every device a row is
-    dropped (that is the only batch ``drop_last=False`` would keep and SPMD cannot split)."""
+    """Global batches of indices; for training, a last batch too small to give every device
+    a row is dropped (that is the only batch ``drop_last=False`` would keep and SPMD cannot
+    split); for evaluation (``keep_last``) it is kept, and ``_GlobalCollate`` makes it up."""
 
-    def __init__(self, sampler, batch_size: int, drop_last: bool, devices: int):
+    def __init__(self, sampler, batch_size: int, drop_last: bool, devices: int, keep_last: bool = False):
         super().__init__(sampler, batch_size, drop_last)
         self.devices = devices
+        self.keep_last = keep_last
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
@@ -98,16 +104,57 @@ class _GlobalBatches(BatchSampler):
 
     def __iter__(self):
         for batch in super().__iter__():
-            if _splittable(len(batch), self.devices):
+            if self.keep_last or _splittable(len(batch), self.devices):
                 yield batch
             else:
-                warnings.warn(f"torchspmd.hf.Trainer: the last batch of {len(batch)} rows can't give each of the "
-                              f"{self.devices} devices a row; it is left out")
+                _warn_left_out(len(batch), self.devices)
 
     def __len__(self) -> int:
         n = len(self.sampler)
         full, rest = divmod(n, self.batch_size)
-        return full + (1 if (rest and not self.drop_last and _splittable(rest, self.devices)) else 0)
+        return full + (1 if (rest and not self.drop_last and (self.keep_last or _splittable(rest, self.devices)))
+                       else 0)
+
+
+def _warn_left_out(rows: int, devices: int) -> None:
+    warnings.warn(f"torchspmd.hf.Trainer: the last batch of {rows} rows can't give each of the {devices} devices "
+                  f"a row; it is left out")
+
+
+ADDED_ROWS_KEY = "_torchspmd_added_rows"  # (in a collated evaluation batch: how many rows were added)
+
+
+class _LeftOut:
+    """What ``_GlobalCollate`` returns for a training batch too small to split: skipped."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+
+class _GlobalCollate:
+    """The trainer's collator, for a global batch. A batch too small to give every device a
+    row (the last one) is, for evaluation, made up to the fewest rows that can be split by
+    repeating its last row, and ``ADDED_ROWS_KEY`` says how many were added (the trainer
+    takes them out of the loss and the results); for training it is left out (``_LeftOut``).
+    Repeating an existing row keeps the padded length of the batch the same."""
+
+    def __init__(self, collator, devices: int, evaluation: bool):
+        self.collator, self.devices, self.evaluation = collator, devices, evaluation
+
+    def __call__(self, samples):
+        rows = len(samples)
+        if _splittable(rows, self.devices):
+            return self.collator(samples)
+        if not self.evaluation or rows == 0:
+            return _LeftOut(rows)
+        whole = rows
+        while not _splittable(whole, self.devices):
+            whole += 1
+        batch = self.collator(list(samples) + [samples[-1]] * (whole - rows))
+        if not isinstance(batch, collections.abc.MutableMapping):
+            return _LeftOut(rows)  # (no place to record the rows added)
+        batch[ADDED_ROWS_KEY] = whole - rows
+        return batch
 
 
 def _splittable(rows: int, devices: int) -> bool:
@@ -118,9 +165,20 @@ def _splittable(rows: int, devices: int) -> bool:
 
 
 class _GlobalLoader(DataLoader):
+    """Global batches, each read whole by every process; batches ``_GlobalCollate`` left out
+    (the last of an ``IterableDataset``'s stream, in training) are skipped with a warning."""
+
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.batch_sampler, "set_epoch"):
             self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        devices = self.collate_fn.devices
+        for batch in super().__iter__():
+            if isinstance(batch, _LeftOut):
+                _warn_left_out(batch.rows, devices)
+            else:
+                yield batch
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -138,15 +196,18 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
 
 
 def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
-                    num_items_in_batch: Any) -> torch.Tensor:
+                    num_items_in_batch: Any, label_smoothing: float = 0.0) -> torch.Tensor:
     """transformers' causal-LM loss (``ForCausalLMLoss``) on global tensors, without
     flattening the batch: the sum of token losses over the labelled positions, divided by
-    ``num_items_in_batch`` when given, else by their count."""
+    ``num_items_in_batch`` when given, else by their count. With ``label_smoothing`` e, a
+    token's loss is transformers' ``LabelSmoother``'s: (1 - e) * its -log p plus e * the mean
+    of -log p over the vocabulary (``F.cross_entropy``'s ``label_smoothing``)."""
     if shift_labels is None:
         logits = logits[:, :-1, :]
         shift_labels = labels[:, 1:]
     per_row = logits.float().transpose(1, 2)  # (batch, vocab, positions)
-    total = F.cross_entropy(per_row, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    total = F.cross_entropy(per_row, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                            label_smoothing=label_smoothing)
     if num_items_in_batch is None:
         count = (shift_labels != IGNORE_INDEX).sum()
         return total / count
@@ -268,8 +329,9 @@ class Trainer(_StockTrainer):
                 )
         # Every process holds the global values: gathering them over processes would repeat them.
         self.accelerator.gather = _gather_global
-        self.accelerator.gather_for_metrics = _gather_global
-        self.gather_function = _gather_global
+        # (evaluation_loop resets gather_function to accelerate's gather_for_metrics after each run)
+        self.accelerator.gather_for_metrics = self._spmd_gather_for_metrics
+        self.gather_function = self._spmd_gather_for_metrics
 
     def _spmd_autocast(self, wrapped: nn.Module) -> None:
         """``bf16=True`` as the stock trainer has it: accelerate's ``prepare`` runs the
@@ -329,8 +391,11 @@ class Trainer(_StockTrainer):
         else:
             collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
         args = self.args
+        # (evaluation: a short last batch is made up and the rows added taken out again; training:
+        # left out, see _GlobalCollate)
         params: dict[str, Any] = dict(
-            collate_fn=collator, num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+            collate_fn=_GlobalCollate(collator, self._spmd_rows, evaluation=not is_training),
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,
         )
         if args.dataloader_num_workers > 0:
@@ -338,17 +403,20 @@ class Trainer(_StockTrainer):
             params["multiprocessing_context"] = args.dataloader_multiprocessing_context
         if isinstance(dataset, torch.utils.data.IterableDataset):
             # Every process reads the same stream (it must be deterministic) and keeps its rows.
-            return DataLoader(dataset, batch_size=batch_size, drop_last=args.dataloader_drop_last, **params)
+            return _GlobalLoader(dataset, batch_size=batch_size, drop_last=args.dataloader_drop_last, **params)
         sampler = sampler_fn(dataset) if sampler_fn is not None else None
         if sampler is None:
             sampler = SequentialSampler(dataset)
         if type(sampler) is RandomSampler:
             seed = args.data_seed if args.data_seed is not None else args.seed
             sampler = _EpochRandomSampler(dataset, seed)
-        batches = _GlobalBatches(sampler, batch_size, args.dataloader_drop_last, self._spmd_rows)
+        batches = _GlobalBatches(sampler, batch_size, args.dataloader_drop_last, self._spmd_rows,
+                                 keep_last=not is_training)
         return _GlobalLoader(dataset, batch_sampler=batches, **params)
 
     def _prepare_inputs(self, inputs):
+        if self._spmd and isinstance(inputs, collections.abc.Mapping):
+            inputs = self._spmd_take_added_rows(inputs)
         inputs = super()._prepare_inputs(inputs)
         if not self._spmd:
             return inputs
@@ -359,6 +427,39 @@ class Trainer(_StockTrainer):
         # another rank than 2 are split on dim 0 alike).
         return shard_batch(inputs, ShardingSpec(self._spmd_mesh, ("fsdp", None)), device=self.args.device)
 
+    def _spmd_take_added_rows(self, inputs):
+        """An evaluation batch's rows added by ``_GlobalCollate`` get no loss (a causal LM's
+        labels -100 there), and the results of a batch shorter than the evaluation batch size
+        (the last) are cut to its real rows by ``_spmd_gather_for_metrics``: what accelerate's
+        ``gather_for_metrics`` does for the stock trainer (the batch's loss, which
+        ``evaluation_loop`` repeats batch-size times, included)."""
+        from transformers.trainer_pt_utils import find_batch_size
+
+        added = 0
+        if ADDED_ROWS_KEY in inputs:
+            inputs = dict(inputs)
+            added = inputs.pop(ADDED_ROWS_KEY)
+            labels = inputs.get("labels")
+            if self._spmd_causal_lm and isinstance(labels, torch.Tensor) and labels.dim() > 0:
+                labels = labels.clone()
+                labels[-added:] = IGNORE_INDEX
+                inputs["labels"] = labels
+        self._spmd_added_rows = added
+        rows = find_batch_size(inputs)
+        real = rows - added if rows is not None else None
+        self._spmd_metric_rows = (real if not self.model.training and real is not None
+                                  and real < self.args.eval_batch_size else None)
+        return inputs
+
+    def _spmd_gather_for_metrics(self, data, *args, **kwargs):
+        data = _plain(data)
+        rows = getattr(self, "_spmd_metric_rows", None)
+        if rows is None:
+            return data
+        from torchspmd._boundary import _map
+
+        return _map(data, lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
+
     def get_total_train_batch_size(self, args) -> int:
         if not self._spmd:
             return super().get_total_train_batch_size(args)
@@ -366,8 +467,9 @@ class Trainer(_StockTrainer):
 
     # -- loss and step ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if not (self._spmd and self._spmd_causal_lm and "labels" in inputs
-                and self.compute_loss_func is None and self.label_smoother is None):
+        # (label_smoothing_factor too: transformers' LabelSmoother gives a wrong value on the
+        # global DTensors, so the loss below smooths the labels itself)
+        if not (self._spmd and self._spmd_causal_lm and "labels" in inputs and self.compute_loss_func is None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         inputs = dict(inputs)
@@ -375,10 +477,63 @@ class Trainer(_StockTrainer):
         shift_labels = inputs.pop("shift_labels", None)
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        loss = _causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
+        loss = _causal_lm_loss(logits, labels, shift_labels, num_items_in_batch, smoothing)
+        aux = self._spmd_router_aux_loss(outputs, inputs)
+        if aux is not None:
+            loss = loss + aux
         if isinstance(outputs, dict):
             outputs["loss"] = loss
         return (loss, outputs) if return_outputs else loss
+
+    def _spmd_router_aux_loss(self, outputs, inputs):
+        """An MoE causal LM's (Mixtral, Qwen2-MoE, ...) ``router_aux_loss_coef`` times its
+        router load-balancing loss, which the model adds to its loss when given labels
+        (``output_router_logits``; the labels were taken out here). Computed by the model's
+        own ``load_balancing_loss_func`` over the router logits of the whole global batch and
+        its attention mask: the loss one process computes over the whole batch (the model's
+        ``aux_loss`` output is each process's over its own rows)."""
+        import sys
+
+        if not isinstance(outputs, dict) or outputs.get("aux_loss") is None:
+            return None
+        model = _unwrap_peft(self.model)
+        coef = getattr(model, "router_aux_loss_coef", None)
+        if not coef:
+            return None
+        func = None
+        for cls in type(model).__mro__:  # (fully_shard renames the class, in another module)
+            func = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+            if func is not None:
+                break
+        router_logits = outputs.get("router_logits")
+        experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+        batch = next((inputs[k] for k in ("attention_mask", "input_ids", "inputs_embeds")
+                      if isinstance(inputs.get(k), DTensor)), None)
+        if (func is None or not isinstance(router_logits, tuple) or not router_logits or experts is None
+                or top_k is None or batch is None):
+            raise SpmdError(f"{type(model).__name__}: its router load-balancing loss (output_router_logits) "
+                            f"can't be computed over the global batch here; set output_router_logits=False")
+        rows, length = batch.shape[0], batch.shape[1]
+
+        def whole(t):
+            # each layer's logits: (this process's rows * sequence length, experts) -> the whole batch's
+            if isinstance(t, DTensor):
+                return t.full_tensor()
+            local = t.reshape(-1, length, t.shape[-1])
+            shape = (rows, length, t.shape[-1])
+            glob = DTensor.from_local(local, batch.device_mesh, batch.placements, run_check=False, shape=shape,
+                                      stride=(length * t.shape[-1], t.shape[-1], 1))
+            return glob.full_tensor().reshape(rows * length, t.shape[-1])
+
+        mask = inputs.get("attention_mask")
+        mask = _plain(mask) if mask is not None else None
+        added = getattr(self, "_spmd_added_rows", 0)
+        if added:  # (rows added to a short last evaluation batch: not routed, as labels -100 get no loss)
+            mask = (mask.clone() if mask is not None
+                    else torch.ones(rows, length, dtype=torch.long, device=router_logits[0].device))
+            mask[-added:] = 0
+        return coef * func(tuple(whole(t) for t in router_logits), experts, top_k, mask)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -698,6 +853,20 @@ def _sft_trainer_class():
 
     class SFTTrainer(trl.SFTTrainer, Trainer):
         """trl's ``SFTTrainer`` training with torchspmd FSDPv2 given the FSDPv2 arguments."""
+
+        def __init__(self, model=None, args=None, *pargs, **kwargs):
+            if args is not None and Trainer._spmd_config(args) is not None and (
+                    getattr(args, "padding_free", False)
+                    or (getattr(args, "packing", False)
+                        and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split"))):
+                # trl's padding-free collator puts the whole batch in one row (position_ids
+                # restarting per sequence): there is no batch dimension to split over the devices.
+                raise SpmdError(
+                    "SFTConfig(packing=True) with packing_strategy='bfd' (trl's default) or 'bfd_split', or "
+                    "padding_free=True: not supported with FSDPv2 here: the padding-free collator makes the global "
+                    "batch a single row, which can't be split over the devices; use packing_strategy='wrapped', or "
+                    "packing=False and padding_free=False")
+            super().__init__(model, args, *pargs, **kwargs)
 
     return SFTTrainer
 
