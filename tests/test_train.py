@@ -121,12 +121,33 @@ def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):
     assert {tuple(v.shape) for k, v in final_weights(tmp_path / "seed").items() if "embed" in k} == {(300, 64)}
 
 
-def test_local_jsonl_data_and_bf16(tmp_path):
+def test_local_jsonl_data_bf16_and_a_pretrained_model_with_meta_init(tmp_path):
+    # model.meta_init (the llama-1b / llama2-7b presets set it) with model.pretrained trains the
+    # pretrained weights: they were re-initialised. At lr 1e-9 the trained weights are the pretrained
+    # directory's, as safetensors reads them, to rounding.
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    pre = tmp_path / "pre"
+    LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, max_position_embeddings=64, tie_word_embeddings=False,
+                                 use_cache=False)).save_pretrained(pre)
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join('{"text": "the quick brown fox jumps over the lazy dog %d"}' % i for i in range(400)))
-    train(tmp_path / "run", "--data.path", str(data), "--optim.max_steps", "3", "--checkpoint.every", "3",
-          "--precision.dtype", "bf16")
+    r = train(tmp_path / "run", "--data.path", str(data), "--optim.max_steps", "3", "--checkpoint.every", "3",
+              "--precision.dtype", "bf16", "--model.pretrained", str(pre), "--model.meta_init", "true",
+              "--optim.lr", "1e-9")
     assert len(losses(tmp_path / "run")) == 3
+    want, got = load_file(pre / "model.safetensors"), final_weights(tmp_path / "run")
+    assert want and want.keys() <= got.keys()
+    for k in want:
+        assert (got[k] - want[k]).abs().max().item() < 1e-6, k
+    # the held-out sequences (2% of ~290) are fewer than a batch (8): no evaluation, and it says so
+    assert re.search(r"no evaluation: the \d held-out sequences \(data.eval_fraction = 0.02\) are fewer than one "
+                     r"micro-batch of 8", r.stdout), r.stdout[-3000:]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert not any(row["eval_loss"] for row in csv.DictReader(f))
 
 
 ERRORS = [

@@ -368,9 +368,31 @@ def test_resuming_with_other_model_settings_of_the_same_shapes_is_refused(tmp_pa
             f"resume with model.num_heads = 4, or start this job in another out_dir") in err, err[-3000:]
 
 
-def test_resuming_with_another_seed_warns_that_the_run_does_not_continue_exactly(tmp_path, straight):
+def test_resuming_with_another_seed_and_optimizer_settings(tmp_path, straight):
+    # another seed: a warning. Another lr, weight decay, betas: this job's are used (and said); the
+    # checkpoint's were kept, while config.toml showed this job's.
+    import math
+    import pickle
+
     out = _resumable(tmp_path, straight, steps=(4,))
-    r = train(out, *ARGS, "--seed", "1")
+    r = train(out, *ARGS, "--seed", "1", "--optim.lr", "0.001", "--optim.weight_decay", "0.05",
+              "--optim.beta2", "0.99")
     assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
     assert (f"torchspmd: warning: checkpoint {ck(out, 4)} was saved with seed = 0 and this job has seed = 1: it "
             f"resumes, but does not continue the saved run exactly") in r.stderr, r.stderr[-3000:]
+    assert ("resuming with this job's optim.lr = 0.001 (the checkpoint's: 0.003), optim.weight_decay = 0.05 (the "
+            "checkpoint's: 0.1), optim.beta2 = 0.99 (the checkpoint's: 0.95)") in r.stdout, r.stdout[-3000:]
+
+    def lr(step):  # after `step` steps: warm-up over 2 steps, then cosine over 6 to 0.1 of the peak
+        return 0.001 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 4)))
+
+    with open(out / "metrics.csv") as f:
+        rows = {int(row["step"]): float(row["lr"]) for row in csv.DictReader(f)}
+    assert rows.keys() == {5, 6}
+    for step in rows:
+        assert rows[step] == pytest.approx(lr(step), rel=1e-12)
+    saved = full_state(ck(out, 6), tmp_path)
+    groups = saved["dcp"]["optim"]["param_groups"]
+    groups = pickle.loads(groups) if isinstance(groups, bytes) else groups
+    assert [x for g in groups for x in (g["lr"], g["weight_decay"], *g["betas"])] == pytest.approx(
+        [lr(6), 0.05, 0.9, 0.99, lr(6), 0.0, 0.9, 0.99], rel=1e-12)

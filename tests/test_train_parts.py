@@ -231,3 +231,175 @@ def test_the_models_code_is_imported_before_the_workers_are_forked(tmp_path):
     assert r.stdout.splitlines() == ["False", "True", "['transformers.models.gpt2.modeling_gpt2']",
                                      "['transformers.models.gpt2.modeling_gpt2', "
                                      "'transformers.models.llama.modeling_llama']"], r.stdout
+
+
+# -- the token cache, the config file's preset and paths, bad data, tokenizers without an end-of-text --------
+
+
+def _bpe(path, texts, special_tokens, vocab_size=60):
+    """A small BPE tokenizer.json trained on ``texts``; its special tokens come first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens))
+    t.save(str(path))
+    return t
+
+
+def test_the_token_cache_follows_edits_of_the_corpus_and_of_the_tokenizer(tmp_path):
+    # The cache key was the paths and settings only: an edited corpus (or tokenizer) in the same
+    # out_dir trained on the old tokens.
+    import os
+
+    from tokenizers import Tokenizer
+
+    from torchspmd.train.config import DataConfig
+
+    cache = tmp_path / "cache"
+    corpus = tmp_path / "c.txt"
+    cfg = DataConfig(path=str(corpus), max_bytes=0)
+    byte = tdata.ByteTokenizer()
+    for text in ("first text", "second, longer text", "second, longer TEXT"):  # the last: the same size
+        corpus.write_text(text)
+        os.utime(corpus, ns=(os.stat(corpus).st_atime_ns, os.stat(corpus).st_mtime_ns + len(text) * 10**9))
+        assert tdata.load_tokens(cfg, byte, cache).tolist() == list(text.encode()) + [256]
+    folder = tmp_path / "docs"  # a directory: a file added to it
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha")
+    dcfg = DataConfig(path=str(folder), max_bytes=0)
+    assert tdata.load_tokens(dcfg, byte, cache).tolist() == list(b"alpha") + [256]
+    (folder / "b.txt").write_text("beta")
+    assert tdata.load_tokens(dcfg, byte, cache).tolist() == list(b"alpha") + [256] + list(b"beta") + [256]
+    # a tokenizer.json retrained in place
+    corpus.write_text("def f(x): return x + 1")
+    tok_path = tmp_path / "tokenizer.json"
+    for texts in (["def f(x): return x + 1"] * 50, ["return x"] * 50):
+        _bpe(tok_path, texts, ["<unk>", "</s>"])
+        want = Tokenizer.from_file(str(tok_path))
+        expected = want.encode("def f(x): return x + 1").ids + [want.token_to_id("</s>")]
+        got = tdata.load_tokens(cfg, tdata.make_tokenizer(str(tok_path)), cache).tolist()
+        assert got == expected
+
+
+def _from_args(*argv):
+    from torchspmd.train.config import from_args
+
+    return from_args([*map(str, argv), "--print-config"])[0]  # (--print-config: no preflight)
+
+
+def test_a_preset_in_the_config_file_is_the_starting_point(tmp_path):
+    # `preset = "small"` in a --config file only relabelled the tiny defaults
+    from torchspmd.train.config import PRESETS
+
+    small = PRESETS["small"]["model"]
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "small"\n')
+    cfg = _from_args("--config", toml)
+    assert (cfg.preset, cfg.model.dim, cfg.model.num_layers, cfg.data.seq_len) == (
+        "small", small["dim"], small["num_layers"], PRESETS["small"]["data"]["seq_len"])
+    toml.write_text('preset = "small"\n[model]\ndim = 256\n')  # the file's settings over its preset
+    cfg = _from_args("--config", toml)
+    assert (cfg.preset, cfg.model.dim, cfg.model.num_layers) == ("small", 256, small["num_layers"])
+    cfg = _from_args("--config", toml, "--preset", "tiny")  # a --preset flag wins over the file's
+    assert (cfg.preset, cfg.model.dim, cfg.model.num_layers) == ("tiny", 256, 4)
+    toml.write_text('preset = "huge"\n')
+    with pytest.raises(ts.SpmdError, match=rf"^--config {toml}: preset = 'huge': unknown preset"):
+        _from_args("--config", toml)
+
+
+def test_the_saved_config_holds_absolute_input_paths(tmp_path, monkeypatch):
+    # config.toml (saved with every checkpoint, read by export / generate) held the paths as
+    # typed: relative ones failed from another directory (model.pretrained was tried on the Hub)
+    import tomllib
+
+    from torchspmd.train.export import load_plain_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("some text")
+    _bpe(tmp_path / "tok.json", ["some text"] * 5, ["<unk>", "</s>"])
+    (tmp_path / "pre").mkdir()
+    cfg = _from_args("--data.path", "corpus.txt", "--data.tokenizer", "tok.json", "--model.pretrained", "pre")
+    saved = tomllib.loads(cfg.to_toml())
+    here = tmp_path.resolve()
+    assert (saved["data"]["path"], saved["data"]["tokenizer"], saved["model"]["pretrained"]) == (
+        str(here / "corpus.txt"), str(here / "tok.json"), str(here / "pre"))
+    # a config.toml of an older run, read from elsewhere: an error naming the file, no Hub look-up
+    old = tmp_path / "old" / "step-00000001"
+    old.mkdir(parents=True)
+    (old / "state.pt").write_bytes(b"")
+    (old / "config.toml").write_text('[model]\npretrained = "pre"\n')
+    monkeypatch.chdir(tmp_path / "old")
+    with pytest.raises(ts.SpmdError, match=r"config.toml: model.pretrained = 'pre': no such directory"):
+        load_plain_model(str(old))
+
+
+def _dataset_dict(path):
+    import datasets
+
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(path))
+
+
+def _dataset_numbers(path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [1, 2]}).save_to_disk(str(path))
+
+
+def _parquet(table):
+    def write(path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(table), path)
+    return write
+
+
+GOOD = json.dumps({"text": "fine"}) + "\n"
+BAD_DATA = {  # name: (file name, writer, the error)
+    "malformed JSON": ("d.jsonl", lambda p: p.write_text(GOOD + '{"text": "cut\n'),
+                       r"d.jsonl:2: not a JSON record \(Invalid control character, column 14\); a .jsonl file "
+                       r"holds one JSON object per line"),
+    "a record that is a string": ("d.jsonl", lambda p: p.write_text(GOOD + '"just text"\n'),
+                                  r"d.jsonl:2: a JSON str, not an object"),
+    "a numeric text field": ("d.jsonl", lambda p: p.write_text(GOOD + '{"text": 12}\n'),
+                             r"d.jsonl:2: field 'text' holds a JSON int \(12\), not text; set data.text_field"),
+    "parquet without the field": ("d.parquet", _parquet({"content": ["a"]}),
+                                  r"d.parquet: the table has no field 'text' \(fields: \['content'\]\); "
+                                  r"set data.text_field"),
+    "parquet with a numeric field": ("d.parquet", _parquet({"text": [1, 2]}),
+                                     r"d.parquet: the table's field 'text' holds int64, not text"),
+    "not parquet": ("d.parquet", lambda p: p.write_text("not a table"), r"d.parquet: not a readable parquet file"),
+    "DatasetDict without train": ("saved", _dataset_dict,
+                                  r"data.path = '.*saved': the data set has no 'train' split \(splits: validation\)"),
+    "datasets numeric field": ("saved", _dataset_numbers, r"the data set's field 'text' holds .*int64.*, not text"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_error_naming_the_file_and_line_or_the_setting(tmp_path, case):
+    name, write, message = BAD_DATA[case]
+    write(tmp_path / name)
+    with pytest.raises(ts.SpmdError, match=message):
+        list(tdata.iter_documents(str(tmp_path / name), "text"))
+
+
+def test_jsonl_bytes_that_are_not_utf8_are_replaced_as_in_text_files(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    (tmp_path / "d.txt").write_bytes(b"caf\xe9")
+    assert list(tdata.iter_documents(str(tmp_path), "text")) == ["caf\ufffd", "caf\ufffd"]
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
+    # it took the vocabulary's last entry for the end of text
+    from transformers import PreTrainedTokenizerFast
+
+    texts = ["def f(x): return x + 1"] * 50
+    t = _bpe(tmp_path / "none.json", texts, ["<unk>"])
+    with pytest.raises(ts.SpmdError, match=r"data.tokenizer = '.*none.json' has no end-of-text token"):
+        tdata.make_tokenizer(str(tmp_path / "none.json"))
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>").save_pretrained(tmp_path / "dir")
+    with pytest.raises(ts.SpmdError, match=r"data.tokenizer = '.*dir' has no eos_token"):
+        tdata.make_tokenizer(str(tmp_path / "dir"))
+    t = _bpe(tmp_path / "llama3.json", texts, ["<|end_of_text|>", "<unk>"])  # Llama 3's name for it
+    assert tdata.make_tokenizer(str(tmp_path / "llama3.json")).eos_id == t.token_to_id("<|end_of_text|>") == 0

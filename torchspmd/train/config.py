@@ -297,9 +297,19 @@ def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     ns, unknown = parser.parse_known_args(argv)
     _unknown_options(parser, unknown)
     values = {k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "list_presets", "print_config")}
-    cfg = preset(values.pop("preset", "tiny"))
+    from_file = load_toml(ns.config) if ns.config else {}
+    # preset < TOML file < flags: a `preset` key in the file chooses the starting point (a
+    # --preset flag wins), it does not just relabel the defaults
+    flag = values.pop("preset", None)
+    name = flag or from_file.get("preset", "tiny")
+    if not isinstance(name, str):
+        raise SpmdError(f"--config {ns.config}: preset: expected a preset name, got {name!r}")
+    try:
+        cfg = preset(name)
+    except SpmdError as e:
+        raise SpmdError(str(e) if flag else f"--config {ns.config}: {e}") from None
     if ns.config:
-        apply_overrides(cfg, load_toml(ns.config), f"--config {ns.config}")
+        apply_overrides(cfg, {k: v for k, v in from_file.items() if k != "preset"}, f"--config {ns.config}")
     nested: dict[str, Any] = {}
     for k, v in values.items():
         if "." in k:
@@ -309,6 +319,14 @@ def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
             nested[k] = v
     apply_overrides(cfg, nested, "flags")
     validate(cfg)
+    # The config is saved with every checkpoint and read back by export / generate / resume,
+    # maybe from another directory: its input paths (checked to exist above) are made absolute.
+    if cfg.data.path:
+        cfg.data.path = str(Path(cfg.data.path).resolve())
+    if cfg.data.tokenizer != "byte":
+        cfg.data.tokenizer = str(Path(cfg.data.tokenizer).resolve())
+    if cfg.model.pretrained:
+        cfg.model.pretrained = str(Path(cfg.model.pretrained).resolve())
     if not (ns.list_presets or ns.print_config):
         preflight(cfg)
     return cfg, ns

@@ -40,6 +40,10 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+#: The end-of-text tokens looked for (in this order) in a tokenizer.json file.
+EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
 class HFTokenizer:
     """A local ``tokenizers`` file (tokenizer.json) or transformers tokenizer directory."""
 
@@ -62,8 +66,13 @@ class HFTokenizer:
             self.vocab_size = self._tok.get_vocab_size()
             self._encode = lambda s: self._tok.encode(s).ids
             self._decode = lambda ids: self._tok.decode(list(ids))
-            eos = next((t for t in ("</s>", "<|endoftext|>", "<eos>") if self._tok.token_to_id(t) is not None), None)
-            self.eos_id = self._tok.token_to_id(eos) if eos else self.vocab_size - 1
+            eos = next((t for t in EOS_TOKENS if self._tok.token_to_id(t) is not None), None)
+            if eos is None:
+                raise SpmdError(f"data.tokenizer = {path!r} has no end-of-text token ({', '.join(EOS_TOKENS)}), "
+                                f"which the job puts between documents and stops generating at; add one to the "
+                                f"tokenizer (tokenizer.add_special_tokens) or give a transformers tokenizer "
+                                f"directory with an eos_token")
+            self.eos_id = self._tok.token_to_id(eos)
         elif p.is_dir():
             from transformers import AutoTokenizer
 
@@ -71,7 +80,10 @@ class HFTokenizer:
             self.vocab_size = len(self._tok)
             self._encode = lambda s: self._tok.encode(s, add_special_tokens=False)
             self._decode = lambda ids: self._tok.decode(list(ids))
-            self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else self.vocab_size - 1
+            if self._tok.eos_token_id is None:
+                raise SpmdError(f"data.tokenizer = {path!r} has no eos_token, which the job puts between documents "
+                                f"and stops generating at; set one (tokenizer.eos_token) and save it again")
+            self.eos_id = self._tok.eos_token_id
         else:
             raise SpmdError(f"data.tokenizer = {path!r}: no such file or directory (use 'byte' or a local path)")
         self.name = str(p.resolve())
@@ -114,12 +126,21 @@ def iter_documents(path: str, text_field: str) -> Iterator[str]:
     if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
         from datasets import load_from_disk
 
+        from datasets import DatasetDict
+
         ds = load_from_disk(str(p))
-        if hasattr(ds, "keys") and "train" in ds:
+        if isinstance(ds, DatasetDict):  # its 'train' split
+            if "train" not in ds:
+                raise SpmdError(f"data.path = {path!r}: the data set has no 'train' split (splits: "
+                                f"{', '.join(ds.keys())}); save the split to train on as a Dataset, or as 'train'")
             ds = ds["train"]
         if text_field not in ds.column_names:
             raise SpmdError(f"data.path = {path!r}: the data set has no field {text_field!r} "
                             f"(fields: {ds.column_names}); set data.text_field")
+        dtype = getattr(ds.features[text_field], "dtype", None)
+        if dtype not in ("string", "large_string"):
+            raise SpmdError(f"data.path = {path!r}: the data set's field {text_field!r} holds "
+                            f"{ds.features[text_field]}, not text; set data.text_field to the field holding the text")
         for rec in ds:
             yield rec[text_field]
         return
@@ -128,18 +149,44 @@ def iter_documents(path: str, text_field: str) -> Iterator[str]:
         raise SpmdError(f"data.path = {path!r}: no text files ({', '.join(TEXT_SUFFIXES)}) found")
     for f in files:
         if f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as fh:
+            with f.open(encoding="utf-8", errors="replace") as fh:  # (as .txt files: bad bytes become U+FFFD)
                 for n, line in enumerate(fh, 1):
                     if line.strip():
-                        rec = json.loads(line)
+                        try:
+                            rec = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            why = f"{e.msg.removesuffix(' at')}, column {e.colno}"
+                            raise SpmdError(f"{f}:{n}: not a JSON record ({why}); a .jsonl file holds one JSON "
+                                            f"object per line") from None
+                        if not isinstance(rec, dict):
+                            raise SpmdError(f"{f}:{n}: a JSON {type(rec).__name__}, not an object; a .jsonl file "
+                                            f"holds one object per line, its text in field {text_field!r}")
                         if text_field not in rec:
                             raise SpmdError(f"{f}:{n}: record has no field {text_field!r}; set data.text_field")
-                        yield rec[text_field]
+                        text = rec[text_field]
+                        if text is not None and not isinstance(text, str):
+                            shown = repr(text) if len(repr(text)) <= 60 else repr(text)[:57] + "..."
+                            raise SpmdError(f"{f}:{n}: field {text_field!r} holds a JSON {type(text).__name__} "
+                                            f"({shown}), not text; set data.text_field to the field holding the text")
+                        yield text
         elif f.suffix == ".parquet":
             try:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise SpmdError(f"{f}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+            import pyarrow as pa
+
+            try:
+                schema = pq.read_schema(f)
+            except (pa.ArrowException, OSError) as e:
+                raise SpmdError(f"{f}: not a readable parquet file ({e})") from None
+            if text_field not in schema.names:
+                raise SpmdError(f"{f}: the table has no field {text_field!r} (fields: {schema.names}); "
+                                f"set data.text_field")
+            kind = schema.field(text_field).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                raise SpmdError(f"{f}: the table's field {text_field!r} holds {kind}, not text; set data.text_field "
+                                f"to the field holding the text")
             table = pq.read_table(f, columns=[text_field])
             yield from (t for t in table.column(text_field).to_pylist() if t)
         else:
@@ -163,10 +210,29 @@ def tokenize_corpus(path: str, text_field: str, tokenizer, max_bytes: int) -> np
     return np.asarray(ids, dtype=dtype)
 
 
+def _fingerprint(path: str) -> list:
+    """Name, size and modification time of every file under ``path`` (a file or a
+    directory; empty: the standard library's corpus). Part of the token cache's key, so a
+    corpus or tokenizer edited, replaced or grown in place gets a new cache entry instead
+    of the old tokens."""
+    files = stdlib_files() if not path else (
+        sorted(f for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else [Path(path)])
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        out.append([str(f), st.st_size, st.st_mtime_ns])
+    return out
+
+
 def load_tokens(cfg, tokenizer, cache_dir: Path) -> np.ndarray:
     """Tokenize once (rank 0) into ``cache_dir``; every process then maps the file."""
     key = hashlib.sha1(json.dumps([cfg.path and str(Path(cfg.path).resolve()), cfg.text_field, tokenizer.name,
-                                   cfg.max_bytes]).encode()).hexdigest()[:12]
+                                   cfg.max_bytes, _fingerprint(cfg.path),
+                                   [] if tokenizer.name == "byte" else _fingerprint(tokenizer.name)]
+                                  ).encode()).hexdigest()[:12]
     cache = cache_dir / f"tokens-{key}.npy"
     rank = dist.get_rank() if dist.is_initialized() else 0
     error: list[str] = []

@@ -31,6 +31,12 @@ def load_plain_model(path: str):
     cfg = TrainConfig()
     apply_overrides(cfg, load_toml(ck / "config.toml"), f"{ck}/config.toml")
     cfg.model.meta_init = False
+    # (older jobs saved the paths as typed, relative to where they ran; a missing directory
+    # must not be taken for a Hub name and fetched)
+    if cfg.model.pretrained and not Path(cfg.model.pretrained).is_dir():
+        raise SpmdError(f"{ck}/config.toml: model.pretrained = {cfg.model.pretrained!r}: no such directory (seen from "
+                        f"{Path.cwd()}); run this where the job ran, or set model.pretrained in that file to the "
+                        f"directory's absolute path")
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     model, info = build_model(cfg.model, model_vocab(cfg.model, tokenizer))
     ckpt.load_full_model_state(ck, model)

@@ -18,7 +18,8 @@ from torchspmd import checkpoint as ckpt
 from torchspmd._errors import SpmdError
 from torchspmd.train import data as tdata
 from torchspmd.train.config import TrainConfig
-from torchspmd.train.models import build_model, import_model_code, model_vocab, init_weights, layer_classes, logits_of
+from torchspmd.train.models import (build_model, import_model_code, init_weights, layer_classes, load_pretrained,
+                                    logits_of, model_vocab)
 
 # Dense bf16 peak FLOP/s per device, for model FLOPs utilisation; other devices report none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
@@ -395,7 +396,18 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
 
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
-    model, info = build_model(cfg.model, model_vocab(cfg.model, tokenizer))
+    on_xla = ts.backend() == "xla"
+    # model.meta_init with model.pretrained (the llama-1b / llama2-7b presets set meta_init): the
+    # architecture on meta, the pretrained weights loaded into the shards; on XLA, built whole
+    pretrained_on_meta = cfg.model.meta_init and bool(cfg.model.pretrained) and not on_xla
+    model_cfg = cfg.model
+    if cfg.model.meta_init and cfg.model.pretrained and on_xla:
+        import dataclasses
+
+        model_cfg = dataclasses.replace(cfg.model, meta_init=False)
+        if rank == 0:
+            print("model.meta_init: the pretrained model is loaded whole on XLA, then sharded")
+    model, info = build_model(model_cfg, model_vocab(cfg.model, tokenizer))
     vocab = info["config"].vocab_size if info["config"] is not None else model_vocab(cfg.model, tokenizer)
     if tokenizer.vocab_size > vocab:
         raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
@@ -428,8 +440,8 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
 
     wrapper = checkpointed if cfg.precision.checkpointing else None
-    on_xla = ts.backend() == "xla"
-    if cfg.model.meta_init and on_xla:  # lazy tensors: nothing is allocated until marked sharded and run
+    meta_init = model_cfg.meta_init and not cfg.model.pretrained  # initialised here (else loaded)
+    if meta_init and on_xla:  # lazy tensors: nothing is allocated until marked sharded and run
         _materialize(model, info["kind"], cfg.seed, rank)
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
                       extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
@@ -438,10 +450,12 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         compiled = sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable",
                                                              None) is not None)
         print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
-    if cfg.model.meta_init and not on_xla:
+    if meta_init and not on_xla:
         # each shard draws its own values; the processes along 'model' hold the same FSDP
         # shards of what is not split over 'model', which must agree
         _materialize(model, info["kind"], cfg.seed, rank // tp)
+    if pretrained_on_meta:
+        load_pretrained(model, cfg.model.pretrained, ts.device())
     n_params = sum(p.numel() for p in model.parameters())
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -469,6 +483,28 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         _compare_config(cfg, resume, rank)
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
+        # The checkpoint's param groups and LambdaLR's base_lrs hold the saved run's lr, betas and
+        # weight decay; this job's settings (printed above, saved in its config.toml) are the ones
+        # used from here on: equal to the saved ones when the run continues unchanged.
+        g0 = opt.param_groups[0]
+        changed = [f"{name} = {now!r} (the checkpoint's: {then!r})" for name, then, now in (
+            ("optim.lr", sched.base_lrs[0], cfg.optim.lr),
+            ("optim.weight_decay", g0["weight_decay"], cfg.optim.weight_decay),
+            ("optim.beta1", g0["betas"][0], cfg.optim.beta1), ("optim.beta2", g0["betas"][1], cfg.optim.beta2))
+            if then != now]
+        if changed and rank == 0:
+            print(f"resuming with this job's {', '.join(changed)}")
+        sched.base_lrs = [cfg.optim.lr] * len(opt.param_groups)
+        factor = _lr_lambda(cfg)(sched.last_epoch)
+        betas = (cfg.optim.beta1, cfg.optim.beta2)  # (one tuple for all groups, as the constructor gives)
+        for g, wd in zip(opt.param_groups, (cfg.optim.weight_decay, 0.0)):
+            # only what differs: an unchanged resume keeps the checkpoint's groups as they were
+            # (the next checkpoint then pickles them byte for byte as an uninterrupted run)
+            for key, value in (("initial_lr", cfg.optim.lr), ("lr", cfg.optim.lr * factor), ("weight_decay", wd),
+                               ("betas", betas)):
+                if g.get(key) != value:
+                    g[key] = value
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
         if rank == 0:
             print(f"resumed from {resume} at step {step} (saved on {state.get('world_size', '?')} devices)")
 
@@ -482,6 +518,9 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         eval_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(eval_ds, range(n_eval * micro)),
                                                   batch_size=micro)
         eval_batches = ts.MpDeviceLoader(eval_loader, ts.device(), input_sharding=spec)
+    elif cfg.data.eval_fraction > 0 and rank == 0 and not explain:
+        print(f"no evaluation: the {len(eval_ds)} held-out sequences (data.eval_fraction = {cfg.data.eval_fraction}) "
+              f"are fewer than one micro-batch of {micro}; raise data.eval_fraction or give more text")
     if resume is not None:  # after the train iterator, which drew its seed from the generator, as it had when saved
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") is not None and ts.backend() == "cuda":

@@ -105,6 +105,13 @@ def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     if cfg.pretrained:
         from transformers import AutoModelForCausalLM
 
+        if cfg.meta_init:  # its architecture on meta; the job loads the weights into the shards (load_pretrained)
+            config = pretrained_config(cfg.pretrained)
+            config.use_cache = False
+            with ctx:
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return model, {"kind": "hf", "positions": getattr(config, "max_position_embeddings", None),
+                           "config": model.config}
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=torch.float32)
         except OSError as e:
@@ -124,6 +131,47 @@ def build_model(cfg, vocab_size: int) -> tuple[nn.Module, dict]:
     with ctx:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, {"kind": "hf", "positions": cfg.max_seq_len, "config": config}
+
+
+def load_pretrained(model: nn.Module, path: str, device) -> None:
+    """Give a model built on the meta device from a pretrained directory's config (and then
+    sharded by FSDPv2) that directory's weights: every process allocates its own shards on
+    ``device``; process 0 alone reads the whole model (on the CPU) and sends it to the
+    others one parameter at a time, each keeping its part."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # (real: see params_on_meta)
+    model.to_empty(device=device)
+    first = dist.get_rank() == 0
+    full = {}
+    keys = [".".join(part for part in name.split(".") if part != "_orig_module")  # FSDPv2's wrappers
+            for name, _ in model.named_parameters()]
+    error: list = [None]
+    if first:  # (a failure here is every process's error: the others would wait in the broadcasts)
+        from transformers import AutoModelForCausalLM
+
+        try:
+            full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+            missing = [k for k in keys if k not in full]
+            if missing:
+                error = [f"it has no weight {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"]
+        except Exception as e:
+            error = [f"its weights cannot be read ({type(e).__name__}: {str(e).strip()[:200]})"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise SpmdError(f"model.pretrained = {path!r}: {error[0]} (on process 0)")
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+        for key, (_, p) in zip(keys, model.named_parameters()):
+            whole = (full.pop(key).to(device=device, dtype=p.dtype) if first else
+                     torch.empty(p.shape, dtype=p.dtype, device=device))
+            dist.broadcast(whole, src=0)  # (then cut here: DTensor's scatter fails on 2-D meshes' _StridedShard)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(whole)
 
 
 def layer_classes(model: nn.Module) -> set[type]:
