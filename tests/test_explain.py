@@ -145,3 +145,32 @@ def test_plain_module_without_processes(capsys):
     assert r.comm_counts == {} and r.total == 0 and r.collectives == []
     out = capsys.readouterr().out
     assert "weight" in out and "CommDebugMode: 0 calls" in out
+
+
+class _SharedActivation(nn.Module):
+    """One module called twice in a forward (as transformers >= 5.25's Llama calls one
+    module-level rotary module from every attention layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.b(self.act(self.a(self.act(x))))
+
+
+def test_a_module_called_twice_in_the_step():
+    # torch 2.13's CommDebugMode hooks a module again each time it is called and pops once
+    # per hook: the second call failed with an IndexError (and hooks stayed behind)
+    model = _SharedActivation()
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # twice: nothing left over from the first
+            r = explain(model, lambda: model(x).sum().backward())
+            assert [p.name for p in r.layouts] == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    expected = model.b(torch.relu(model.a(torch.relu(x))))
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)

@@ -300,8 +300,51 @@ def _meshes(model: nn.Module) -> list:
     return sorted(seen.values(), key=lambda dm: -dm.ndim)
 
 
+def _tracker_class():
+    """CommDebugMode's module tracker, keeping one post-forward hook per module.
+
+    torch's ``_CommModeModuleTracker._fw_pre_hook`` registers a forward hook (the one that
+    pops its ``parent_list``) on a module each time that module's forward starts, and only
+    removes the last one per module name on exit: a module called n times in the step pops
+    n times on its n-th call (IndexError in ``_fw_set_module_hook``), and the hooks left
+    behind pop on later calls, after the mode. transformers 5.25 requires ``kernels``, whose
+    ``use_kernel_forward_from_hub`` makes functions such as Llama's ``apply_rotary_pos_emb``
+    one module-level ``nn.Module`` that every attention layer calls."""
+    try:
+        from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+    except ImportError:  # pragma: no cover - another torch: its own tracker
+        return None
+
+    class _Tracker(_CommModeModuleTracker):
+        def __enter__(self):
+            self._post_hooks: dict[nn.Module, Any] = {}  # module -> its one hook's handle
+            return super().__enter__()
+
+        def _fw_pre_hook(self, mod, input):
+            handles = self.register_forward_hook_handles
+            name = self._get_mod_name(mod)
+            before = handles.get(name)
+            super()._fw_pre_hook(mod, input)
+            added = handles.get(name)
+            if added is not None and added is not before:  # torch hooked mod (again)
+                if mod in self._post_hooks:  # already hooked on an earlier call: that hook pops
+                    added.remove()
+                else:
+                    self._post_hooks[mod] = added
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            for handle in self._post_hooks.values():
+                handle.remove()
+            self._post_hooks.clear()
+
+    return _Tracker
+
+
 def _comm_mode_class():
     from torch.distributed.tensor.debug import CommDebugMode
+
+    tracker = _tracker_class()
 
     class _SizedCommDebugMode(CommDebugMode):
         """CommDebugMode, which counts the collectives; for each call it counted, the
@@ -309,6 +352,8 @@ def _comm_mode_class():
 
         def __init__(self):
             super().__init__()
+            if tracker is not None:
+                self.advanced_module_tracker = tracker()
             self.calls: list[tuple] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -349,7 +394,14 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         # ... and warn about modules returning containers (transformers' ModelOutput)
         warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be")
-        step_fn()
+        # ... and when two modules of one name nest (kernels' function modules, outside the model,
+        # are all named by their class): it counts the nesting per name, so the names stay right
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+        fmt = warnings.formatwarning  # which ModTracker replaces, for good, before that warning
+        try:
+            step_fn()
+        finally:
+            warnings.formatwarning = fmt
     counts = {str(k): v for k, v in mode.get_comm_counts().items()}
     total = mode.get_total_counts()
     notes: list[str] = []
