@@ -18,6 +18,10 @@ backward, and after each step; the launcher's PSS is read from outside. The suit
 ``PeakMemory`` gives the peak of all processes together (sampled every 0.5 s), and the
 steps' median time (the first step left out) is reported to show what each setting costs.
 
+``--mixed-precision bf16`` wraps with FSDPv2's ``mixed_precision='bf16'`` (parameters
+gathered and computed in bf16, fp32 shards, gradient reduction and Adam state) and writes
+``memory_step_bf16.*`` instead.
+
 Writes ``bench/results/memory_step.md`` and ``memory_step.json``.
 """
 
@@ -55,7 +59,7 @@ ABOUT = {
 }
 
 
-def worker(steps: int, result: str) -> None:
+def worker(steps: int, result: str, mixed_precision: str | None = None) -> None:
     import functools
     import time
 
@@ -83,7 +87,7 @@ def worker(steps: int, result: str) -> None:
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
+    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, mixed_precision=mixed_precision)
     mark("sharded (FSDPv2)")
     for i, layer in enumerate(model.module.layers):
         layer.register_forward_hook(lambda *_, i=i: mark(f"forward of layer {i}"))
@@ -105,7 +109,7 @@ def worker(steps: int, result: str) -> None:
         Path(result).write_text(json.dumps({"marks": marks, "step_s": statistics.median(times[1:] or times)}))
 
 
-def run(setting: str, nproc: int, steps: int) -> dict:
+def run(setting: str, nproc: int, steps: int, mixed_precision: str | None = None, out: Path = RESULTS) -> dict:
     import subprocess
 
     from _common import PeakMemory
@@ -113,9 +117,10 @@ def run(setting: str, nproc: int, steps: int) -> dict:
 
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)), **SETTINGS[setting])
     env.update(_allocator_env(env))  # the launcher's settings unless the setting chose its own
-    result = RESULTS / f".memory_{setting}.json"
+    result = out / f".memory_{setting}.json"
     cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(nproc), __file__, "--worker",
-           "--steps", str(steps), "--result", str(result)]
+           "--steps", str(steps), "--result", str(result)] + (
+               ["--mixed-precision", mixed_precision] if mixed_precision else [])
     with subprocess.Popen(cmd, env=env) as proc, PeakMemory(proc.pid) as every, \
             PeakMemory(proc.pid, children=False) as launcher:
         proc.wait()
@@ -134,25 +139,33 @@ def main() -> None:
     p.add_argument("--worker", action="store_true")
     p.add_argument("--result")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    p.add_argument("--out", default=str(RESULTS), help="where the results go")
+    p.add_argument("--mixed-precision", choices=["bf16"], help="FSDPv2(mixed_precision=...); results go to "
+                                                               "memory_step_bf16.*")
     a = p.parse_args()
     if a.worker:
-        return worker(a.steps, a.result)
-    RESULTS.mkdir(exist_ok=True)
+        return worker(a.steps, a.result, a.mixed_precision)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     names = a.settings
     runs: dict[str, list[dict]] = {k: [] for k in names}
     for r in range(a.repeats):
         for k in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
-            runs[k].append(run(k, a.nproc, a.steps))
+            runs[k].append(run(k, a.nproc, a.steps, a.mixed_precision, out))
             x = runs[k][-1]
             print(f"repeat {r + 1}: {k}: peak {x['peak_all_gb'] / a.nproc:.2f} GB per device, step {x['step_s']:.2f} s",
                   flush=True)
     import torch
 
-    lines = ["# Where an FSDPv2 process's memory goes", "",
+    mp_arg = (f" --mixed-precision {a.mixed_precision}" if a.mixed_precision else "") + (
+        f" --out {a.out}" if out.resolve() != RESULTS.resolve() else "")
+    mp_text = f", mixed_precision='{a.mixed_precision}'" if a.mixed_precision else ""
+    stem = f"memory_step_{a.mixed_precision}" if a.mixed_precision else "memory_step"
+    lines = ["# Where an FSDPv2 process's memory goes" + (f" ({a.mixed_precision})" if a.mixed_precision else ""), "",
              f"`python bench/memory_step.py --nproc {a.nproc} --steps {a.steps} --repeats {a.repeats} --settings "
-             f"{' '.join(names)}` on this machine "
+             f"{' '.join(names)}{mp_arg}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): the seed decoder (107M parameters, one FSDPv2 unit "
-             f"per layer, fused Adam, 4 x 64 tokens per step), {a.nproc} processes. "
+             f"per layer, fused Adam, 4 x 64 tokens per step{mp_text}), {a.nproc} processes. "
              + " ".join(f"`{k}`: {ABOUT[k]}." for k in names)
              + " Each round runs the settings in an order rotated by one. GB = 2^30 bytes.",
              "", "| setting | peak of all processes / devices (GB), per run | launcher PSS (GB) | step (s), per run |",
@@ -173,8 +186,9 @@ def main() -> None:
             cells += [f"{m[1]:.3f}", f"{m[2]:.3f}"] if m else ["", ""]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "memory_step.md").write_text(text)
-    (RESULTS / "memory_step.json").write_text(json.dumps({"runs": runs, "nproc": a.nproc, "steps": a.steps}, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"runs": runs, "nproc": a.nproc, "steps": a.steps,
+                                                      "mixed_precision": a.mixed_precision}, indent=1))
     print(text)
 
 
