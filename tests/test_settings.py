@@ -72,6 +72,9 @@ RULES = [
     (["--modle.dim", "64"], "train: unknown option --modle.dim (did you mean '--model.dim'"),
     (["--optim.learning_rate", "1e-3"], "train: unknown option --optim.learning_rate (did you mean '--optim.min_lr_ratio'"),
     (["stray"], "train: unexpected argument 'stray'"),
+    (["--nproc", "4"], "train: unknown option --nproc: the job starts its own processes, one per device: give their "
+                       "number as --mesh.devices N"),
+    (["--nproc_per_node=4"], "train: unknown option --nproc_per_node: the job starts its own processes"),
 ]
 
 

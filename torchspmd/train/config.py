@@ -287,9 +287,13 @@ def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> Non
     if not option.startswith("-"):
         raise SpmdError(f"{parser.prog.removeprefix('torchspmd ')}: unexpected argument {bad!r}: settings are given as --section.name VALUE "
                         f"(e.g. --optim.lr 1e-3)")
+    prog = parser.prog.removeprefix('torchspmd ')
+    if option.replace("_", "-") in ("--nproc", "--nproc-per-node") and "--mesh.devices" in parser._option_string_actions:
+        # torchspmd run's and torchrun's option: this job starts its processes itself
+        raise SpmdError(f"{prog}: unknown option {option}: the job starts its own processes, one per device: "
+                        f"give their number as --mesh.devices N")
     known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    raise SpmdError(f"{parser.prog.removeprefix('torchspmd ')}: unknown option {option}{did_you_mean(option, known)} "
-                    f"(--help lists the settings)")
+    raise SpmdError(f"{prog}: unknown option {option}{did_you_mean(option, known)} (--help lists the settings)")
 
 
 def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
