@@ -16,6 +16,9 @@ fused Adam, one FSDP unit per decoder layer; every process gets the malloc setti
 - ``fsdpv2-compile``: torchspmd FSDPv2 with ``compile=True``;
 - ``fsdpv2-unbound`` (only when named in ``--strategies``): torchspmd FSDPv2 with its workers
   free to run on any core (``TORCHSPMD_BIND_CORES=0``; by default each runs on its own share);
+- ``fsdpv2-mp`` (only when named, and only with ``--dtype bf16``): torchspmd FSDPv2 with
+  ``mixed_precision='bf16'`` instead of autocast: each unit's parameters gathered and its
+  forward and backward computed in bf16, fp32 shards, gradient reduction and Adam state;
 - ``xla``: torch_xla's FSDPv2 in one process driving n CPU devices, when a virtual
   environment with torch_xla is found (``$TORCHSPMD_XLA_PYTHON`` or
   ``~/.cache/torchspmd/xla-venv``);
@@ -30,7 +33,8 @@ model, has transformers loaded). The scaling run trains torchspmd FSDPv2 on 1, 2
 ``--dtype bf16`` runs every strategy's forward and loss under bf16 autocast
 (``torch.autocast('cpu')``; ``torch.autocast('xla')`` for torch_xla's runs) over fp32
 parameters, gradients and Adam state (the like-for-like bf16 comparison), writing
-``suite_bf16.*`` (and README.md's ``bench-bf16`` block, if it has one).
+``suite_bf16.*`` (and README.md's ``bench-bf16`` block, if it has one). torch_xla's Llama
+then uses transformers' eager attention (its SDPA fails under XLA's autocast: ``_xla_attn``).
 
 ``--2d`` runs only the 2D comparison (tensor parallel x FSDP, 4 processes on a (2, 2)
 mesh, the ``small`` seed decoder, same global batches): torchspmd FSDPv2 with the MLP and
@@ -87,6 +91,7 @@ XLA = ("xla", "xla-torchspmd")
 NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2",
          "fsdpv2-native": "torchspmd FSDPv2, FSDP2's collectives", "fsdpv2-compile": "torchspmd FSDPv2, compile",
          "fsdpv2-unbound": "torchspmd FSDPv2, workers not bound to cores",
+         "fsdpv2-mp": "torchspmd FSDPv2, mixed_precision='bf16'",
          "xla": "torch_xla FSDPv2 (one process)", "xla-torchspmd": "torchspmd FSDPv2 on the XLA backend (one process)"}
 TWO_D = ["2d-fsdpv2", "2d-tp-fsdp2"]
 NAMES_2D = {"2d-fsdpv2": "torchspmd FSDPv2, weights annotated over 'model'",
@@ -102,7 +107,8 @@ def _xla_python() -> str | None:
     return cand if Path(cand).exists() else None
 
 
-def _build(model: str, size: str):
+def _build(model: str, size: str, attn: str | None = None):
+    """The model (``attn``: the Llama's attention implementation, transformers' default if None)."""
     import torch
 
     torch.manual_seed(0)
@@ -113,8 +119,16 @@ def _build(model: str, size: str):
         return DecoderModel(**cfg), DecoderLayer, cfg["vocab_size"]
     config = LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["dim"], intermediate_size=cfg["intermediate_size"],
                          num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_heads"],
-                         num_key_value_heads=cfg["num_heads"], max_position_embeddings=SEQ, use_cache=False)
+                         num_key_value_heads=cfg["num_heads"], max_position_embeddings=SEQ, use_cache=False,
+                         **({"attn_implementation": attn} if attn else {}))
     return LlamaForCausalLM(config), LlamaDecoderLayer, cfg["vocab_size"]
+
+
+def _xla_attn(dtype: str) -> str | None:
+    """torch_xla's Llama in bf16 uses transformers' eager attention: its SDPA fails under
+    ``torch.autocast('xla')`` (the rotary embedding leaves query and key in fp32, the value
+    projection is bf16, and XLA's autocast does not cast SDPA's inputs as the CPU's does)."""
+    return "eager" if dtype == "bf16" else None
 
 
 def _state_bytes(model, opt) -> int:
@@ -182,13 +196,15 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
         policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
         options = {"fsdpv2": {}, "fsdpv2-native": {"collectives": "native"}, "fsdpv2-compile": {"compile": True},
-                   "fsdpv2-unbound": {}}
+                   "fsdpv2-unbound": {}, "fsdpv2-mp": {"mixed_precision": "bf16"}}
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, **options[strategy])
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # PyTorch's fused CPU Adam kernel
     cpu = CpuUse()
-    times = timed_steps(model, opt, loader, vocab, warmup, cpu, _autocast("cpu", dtype))
+    # fsdpv2-mp computes in bf16 by its own policy (its outputs come back in fp32), not by autocast
+    times = timed_steps(model, opt, loader, vocab, warmup, cpu,
+                        None if strategy == "fsdpv2-mp" else _autocast("cpu", dtype))
     if rank == 0:
         write_result(result, strategy, BATCH * SEQ, times, state_gb=_state_bytes(model, opt) / 2**30,
                      **cpu.per_step())
@@ -395,7 +411,7 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
     xr.use_spmd()
-    model, layer_cls, vocab = _build(model_name, size)
+    model, layer_cls, vocab = _build(model_name, size, _xla_attn(dtype))
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     device = xm.xla_device()
@@ -455,7 +471,7 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
 
     ts.use_spmd()
     assert ts.backend() == "xla"
-    model, layer_cls, vocab = _build(model_name, size)
+    model, layer_cls, vocab = _build(model_name, size, _xla_attn(dtype))
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
@@ -611,6 +627,8 @@ def main() -> None:
     a = p.parse_args()
     if a.steps is None:
         a.steps = 12 if a.two_d else 8
+    if "fsdpv2-mp" in a.strategies and a.dtype != "bf16":
+        p.error("--strategies fsdpv2-mp is FSDPv2's mixed_precision='bf16': give it with --dtype bf16")
     if a.worker in (*TWO_D, "2d-single"):
         return worker_2d(a.worker, a.steps, a.warmup, a.result)
     if a.worker:
@@ -740,7 +758,12 @@ def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, wa
              f"configuration, interleaved (rotated order each round). The processes share the cores (OMP threads = "
              f"cores / processes); single runs on this shared machine swing by up to 2x: read the ranges."
              + (" bf16: every strategy runs its forward and loss under bf16 autocast (`torch.autocast('cpu')`, "
-                "`torch.autocast('xla')` for torch_xla's runs) over fp32 parameters, gradients and Adam state."
+                "`torch.autocast('xla')` for torch_xla's runs, whose Llama then uses transformers' eager attention: "
+                "its SDPA fails under XLA's autocast) over fp32 parameters, gradients and Adam state"
+                + ("; but FSDPv2 with `mixed_precision='bf16'`, which gathers each unit's parameters in bf16 and "
+                   "computes its forward and backward in bf16 without autocast (fp32 shards, gradient reduction and "
+                   "Adam state, its outputs returned in fp32)"
+                   if any(r["strategy"] == "fsdpv2-mp" for rows in results.values() for r in rows) else "") + "."
                 if dtype == "bf16" else ""), ""]
     later = sorted({r["run"] for rows in results.values() for r in rows if r.get("run", 1) > 1})
     if later:
