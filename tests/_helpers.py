@@ -30,3 +30,24 @@ def same_on_every_rank(results: list):
 def example_losses(stdout: str) -> dict[int, float]:
     """The examples' printed global losses ("Step N, Loss: L") by step."""
     return {int(s): float(v) for s, v in re.findall(r"Step (\d+), Loss: ([0-9.]+)", stdout)}
+
+
+def interrupt_when(cmd, ready, cwd, env) -> tuple[int, str, str]:
+    """Start ``cmd`` in a session of its own; as soon as ``ready(lines)`` holds for the lines
+    its stdout has shown, send SIGINT to its whole process group, as Ctrl-C in a terminal
+    does. Returns the exit status, stdout and stderr."""
+    import signal
+    import subprocess
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                         start_new_session=True)
+    seen: list[str] = []
+    for line in p.stdout:
+        seen.append(line)
+        if ready(seen):
+            break
+    else:
+        raise AssertionError(f"{cmd} ended before it was ready:\n{''.join(seen)}\n{p.stderr.read()}")
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, "".join(seen) + out, err

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _helpers import clean_env
+from _helpers import clean_env, interrupt_when
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -483,3 +483,30 @@ def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack(monkeypa
     monkeypatch.setattr(rdzv, "get_method_name", other)
     _quick_rendezvous_names()
     assert rdzv.get_method_name is other
+
+
+LOOPING = textwrap.dedent(
+    """
+    import atexit, torch, torchspmd as ts
+    ts.use_spmd()
+    import torch.distributed as dist
+    atexit.register(print, f"atexit ran on {dist.get_rank()}", flush=True)
+    print(f"ready {dist.get_rank()}", flush=True)
+    t = torch.ones(1000)
+    while True:  # collectives until interrupted: a process stopped first leaves its peer mid-collective
+        dist.all_reduce(t)
+        t /= 2
+    """
+)
+
+
+def test_ctrl_c_stops_the_workers_with_one_line_and_status_130(tmp_path):
+    prog = tmp_path / "loop.py"
+    prog.write_text(LOOPING)
+    code, out, err = interrupt_when([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(prog)],
+                                    lambda lines: {"ready 0", "ready 1"} <= {x.rstrip() for x in lines}, ROOT,
+                                    clean_env(TORCHSPMD_ALL_RANKS_OUTPUT=1))
+    assert code == 130, (out, err)
+    assert "torchspmd: interrupted (SIGINT): the workers were stopped" in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Closing process" not in err, err
+    assert "atexit ran on 0" in out and "atexit ran on 1" in out  # each program ended as Python ends one

@@ -396,3 +396,26 @@ def test_resuming_with_another_seed_and_optimizer_settings(tmp_path, straight):
     groups = pickle.loads(groups) if isinstance(groups, bytes) else groups
     assert [x for g in groups for x in (g["lr"], g["weight_decay"], *g["betas"])] == pytest.approx(
         [lr(6), 0.05, 0.9, 0.99, lr(6), 0.0, 0.9, 0.99], rel=1e-12)
+
+
+def test_ctrl_c_says_where_the_job_stands_and_which_checkpoint_continues_it(tmp_path):
+    # Ctrl-C reaches the launcher and every worker: one line from the job (its newest
+    # checkpoint), one from the launcher, status 130; no traceback from any process
+    import re as _re
+
+    from _helpers import interrupt_when
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torchspmd.cli", "train", "--out-dir", str(out), *SMALL, "--optim.max_steps", "10000",
+           "--checkpoint.every", "1", "--checkpoint.keep", "2", "--logging.every", "1", "--logging.sample_tokens", "0"]
+
+    def two_steps(lines):
+        return any(_re.match(r"step\s+2\b", x) for x in lines)
+
+    code, stdout, err = interrupt_when(cmd, two_steps, ROOT, _env())
+    assert code == 130, (stdout[-2000:], err[-4000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    said = [x for x in err.splitlines() if x.startswith("torchspmd train: interrupted after step")]
+    assert len(said) == 1 and f"the newest checkpoint is {newest}:" in said[0], err
+    assert err.rstrip().endswith("torchspmd: interrupted (SIGINT): the workers were stopped"), err

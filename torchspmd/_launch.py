@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from torchspmd._errors import SpmdError
 
@@ -246,8 +247,8 @@ class _AgentLog(logging.Filter):
             if isinstance(args[0], int):
                 self.stopped.add(args[0])
             return not self.quiet
-        if msg.startswith("failed (exitcode"):
-            return not self.quiet
+        if msg.startswith("failed (exitcode") or msg.startswith("Closing process"):  # ... or, on Ctrl-C, one
+            return not self.quiet  # line per worker (the launcher then says the workers were stopped)
         return True
 
 
@@ -489,7 +490,7 @@ def _run_program(program: str, *args: str) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # the agent's handlers (its SignalException) are not the program's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _on_interrupt)
     _apply_malloc_settings({k: v for k, v in os.environ.items() if k in _MALLOPT and MALLOC_ENV.get(k) == v})
     _bind_to_cores()
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -519,8 +520,9 @@ def _run_program(program: str, *args: str) -> None:
     except SystemExit as e:
         code = e.code
     except BaseException as e:  # noqa: BLE001 - printed and recorded as Python would, then exit 1
-        sys.excepthook(type(e), e, e.__traceback__)
-        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+        if not _INTERRUPTED:  # after Ctrl-C (or the launcher's SIGINT) the launcher's one line says it
+            sys.excepthook(type(e), e, e.__traceback__)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt) or _INTERRUPTED
     finally:
         import threading
 
@@ -536,6 +538,27 @@ def _run_program(program: str, *args: str) -> None:
         os.kill(os.getpid(), signal.SIGINT)
     if code not in (0, None):
         raise SystemExit(code)
+
+
+#: Set in a worker once SIGINT reached it (Ctrl-C reaches every process of the terminal's
+#: group, and torchrun's agent passes it on): what the program raises after that (the
+#: KeyboardInterrupt, or a peer's lost connection) is not printed rank by rank.
+_INTERRUPTED = False
+
+
+def _on_interrupt(signum, frame):
+    """A worker's SIGINT handler: KeyboardInterrupt, as Python's, once; a second SIGINT (the
+    terminal's and the agent's arrive together) while the first is handled is ignored."""
+    global _INTERRUPTED
+    if _INTERRUPTED:
+        return
+    _INTERRUPTED = True
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether this worker has been interrupted (SIGINT)."""
+    return _INTERRUPTED
 
 
 def _every_failure(poll):
@@ -665,6 +688,10 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
         text, code = summarize(e.failures, agent_log.stopped)
         print(text, file=sys.stderr, flush=True)
         return code
+    except SignalException as e:  # Ctrl-C, or a signal to the launcher: its workers were stopped
+        name = getattr(e.sigval, "name", str(e.sigval))
+        print(f"torchspmd: interrupted ({name}): the workers were stopped", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     finally:
         logger.removeFilter(agent_log)
         if fork:

@@ -214,10 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     except SpmdError as e:
         import torch.distributed as dist
 
-        from torchspmd._launch import _all_ranks_output, record_error
+        from torchspmd._launch import _all_ranks_output, interrupted, record_error
 
         # Every process of a job raises the same error: rank 0 prints it, once; any other
-        # process's error reaches the launcher's summary through its record.
+        # process's error reaches the launcher's summary through its record. After Ctrl-C
+        # (an error the interruption caused, such as a checkpoint it cut short) the job's and
+        # the launcher's lines say what happened.
+        if interrupted():
+            raise
         if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
                 and not _all_ranks_output()):
             print(f"torchspmd: {e}", file=sys.stderr)

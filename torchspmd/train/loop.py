@@ -6,6 +6,7 @@ import csv
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import torchspmd as ts
+from torchspmd import _launch
 from torchspmd import checkpoint as ckpt
 from torchspmd._errors import SpmdError
 from torchspmd.train import data as tdata
@@ -538,64 +540,72 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     last_saved = step if resume is not None else -1
     losses: list[float] = []
     eval_loss = float("nan")
-    while step < cfg.optim.max_steps:
-        t0 = time.perf_counter()
-        with ts.step():
-            # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
-            loss_sum = 0.0
-            for _ in range(cfg.optim.grad_accum):
-                x, y = next(train_iter)
-                logits = logits_of(model(x))
-                loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
-                if step + 1 in nan_steps and rank == world - 1:  # tests: a bad batch on one process
-                    loss = loss * float("nan")
-                loss.backward()
-                loss_sum += loss.item()
-            if cfg.optim.grad_clip > 0:
-                grad_norm = float(ts.clip_grad_norm_(model, cfg.optim.grad_clip))
-            else:
-                grad_norm = float(ts.clip_grad_norm_(model, float("inf")))
-            # The global loss and norm are the same on every process, so all skip together. A skipped step
-            # leaves the weights, the optimizer state and the learning-rate schedule as they were.
-            finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-            if finite:
-                opt.step()
-                sched.step()
-                bad = 0
-            else:
-                bad += 1
-                if rank == 0:
-                    print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
-            opt.zero_grad(set_to_none=True)
-        step += 1
-        _inject_kill(step, rank)
-        dt = time.perf_counter() - t0
-        losses.append(loss_sum)
-        tps = tokens_per_step / dt
-        row = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
-               "tokens_per_s": tps, "mfu": (flops_per_token * tps / (peak * world)) if peak else "",
-               "memory_gb": _memory_gb(), "skipped": int(not finite)}
-        if eval_batches and (step % cfg.logging.eval_every == 0 or step == cfg.optim.max_steps):
-            eval_loss = _evaluate(model, eval_batches, vocab)
-            row["eval_loss"] = eval_loss
-        if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps or not finite:
-            metrics.write(row)  # a skipped step always gets its row
-        if progress:
-            progress.update(step, row)
-        if not finite and bad >= cfg.optim.max_bad_steps:  # every process decides alike and stops here
+    try:
+        while step < cfg.optim.max_steps:
+            t0 = time.perf_counter()
+            with ts.step():
+                # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
+                loss_sum = 0.0
+                for _ in range(cfg.optim.grad_accum):
+                    x, y = next(train_iter)
+                    logits = logits_of(model(x))
+                    loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
+                    if step + 1 in nan_steps and rank == world - 1:  # tests: a bad batch on one process
+                        loss = loss * float("nan")
+                    loss.backward()
+                    loss_sum += loss.item()
+                if cfg.optim.grad_clip > 0:
+                    grad_norm = float(ts.clip_grad_norm_(model, cfg.optim.grad_clip))
+                else:
+                    grad_norm = float(ts.clip_grad_norm_(model, float("inf")))
+                # The global loss and norm are the same on every process, so all skip together. A skipped step
+                # leaves the weights, the optimizer state and the learning-rate schedule as they were.
+                finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+                if finite:
+                    opt.step()
+                    sched.step()
+                    bad = 0
+                else:
+                    bad += 1
+                    if rank == 0:
+                        print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
+                opt.zero_grad(set_to_none=True)
+            step += 1
+            _inject_kill(step, rank)
+            dt = time.perf_counter() - t0
+            losses.append(loss_sum)
+            tps = tokens_per_step / dt
+            row = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
+                   "tokens_per_s": tps, "mfu": (flops_per_token * tps / (peak * world)) if peak else "",
+                   "memory_gb": _memory_gb(), "skipped": int(not finite)}
+            if eval_batches and (step % cfg.logging.eval_every == 0 or step == cfg.optim.max_steps):
+                eval_loss = _evaluate(model, eval_batches, vocab)
+                row["eval_loss"] = eval_loss
+            if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps or not finite:
+                metrics.write(row)  # a skipped step always gets its row
+            if progress:
+                progress.update(step, row)
+            if not finite and bad >= cfg.optim.max_bad_steps:  # every process decides alike and stops here
+                if progress:
+                    progress.close()
+                ckpt._barrier()  # none exits (and gets its peers stopped) before all have their error
+                raise SpmdError(f"stopping at step {step}: {bad} consecutive steps had a non-finite loss or gradient "
+                                f"(optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check the data, "
+                                f"or raise optim.max_bad_steps")
+            if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
+                state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
+                         "cuda_rng": torch.cuda.get_rng_state() if ts.backend() == "cuda" else None,
+                         "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
+                ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep,
+                          _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step), _kill_at=_save_kill_point(step))
+                last_saved = step
+    except BaseException:
+        if _launch.interrupted():  # Ctrl-C: where the job stands, once, instead of a traceback per process
             if progress:
                 progress.close()
-            ckpt._barrier()  # none exits (and gets its peers stopped) before all have their error
-            raise SpmdError(f"stopping at step {step}: {bad} consecutive steps had a non-finite loss or gradient "
-                            f"(optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check the data, "
-                            f"or raise optim.max_bad_steps")
-        if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
-            state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
-                     "cuda_rng": torch.cuda.get_rng_state() if ts.backend() == "cuda" else None,
-                     "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
-            ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep,
-                      _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step), _kill_at=_save_kill_point(step))
-            last_saved = step
+            if rank == 0:
+                _say_interrupted(step, out)
+        raise
     if progress:
         progress.close()
     metrics.plot(out)
@@ -608,6 +618,13 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         print(f"done: {step} steps; metrics {out / 'metrics.csv'}, plot {out / 'loss.png'}, "
               f"checkpoints {out / 'checkpoints'}")
     return {"losses": losses, "eval_loss": eval_loss, "sample": text, "last_saved": last_saved}
+
+
+def _say_interrupted(step: int, out: Path) -> None:
+    last = ckpt.latest_checkpoint(out / "checkpoints")
+    where = (f"the newest checkpoint is {last}: run the job again with the same out_dir (checkpoint.resume = "
+             f"'auto', the default) to continue from it" if last is not None else "no checkpoint was saved yet")
+    print(f"torchspmd train: interrupted after step {step}; {where}", file=sys.stderr, flush=True)
 
 
 class _Progress:
