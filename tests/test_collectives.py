@@ -358,18 +358,22 @@ def test_shared_memory_buffer_that_cannot_be_made_fails_on_every_rank(dist):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
-    """The reduce-scatter's sum, for more processes than the multi-process tests start (where
-    ``torch.sum`` over the rows would regroup them): exactly the rank-order float32 sum."""
+    """The reduce-scatter's sum at every process count (more than the multi-process tests
+    start, where ``torch.sum`` over the rows would regroup them), on strided rows as the
+    reduce-scatter reads them: exactly the rank-order float32 sum."""
     from torchspmd.fsdp.collectives import _sum_in_rank_order
 
-    for world in (2, 5, 8, 17):
-        rows = torch.stack([_data("ag", 1003, dtype, 11, world, r) for r in range(world)])
-        want = rows[0].float()
-        for r in range(1, world):
-            want = want + rows[r].float()
-        got = torch.empty(1003, dtype=rows.dtype)
-        _sum_in_rank_order(rows, got)
-        assert torch.equal(_bits(got), _bits(want.to(rows.dtype))), world
+    for world in (1, 2, 3, 4, 5, 8, 17):
+        for n in (1, 15, 1003, 70001):  # tails of the vectorized kernels, and a size they split
+            # as the reduce-scatter reads them: this process's column of every row (strided)
+            buffer = torch.stack([_data("rs", n, dtype, 11, world, r) for r in range(world)])
+            rows = buffer.view(world, world, n)[:, world // 2]
+            want = rows[0].float()
+            for r in range(1, world):
+                want = want + rows[r].float()
+            got = torch.empty(n, dtype=rows.dtype)
+            _sum_in_rank_order(rows, got)
+            assert torch.equal(_bits(got), _bits(want.to(rows.dtype))), (world, n)
 
 
 # -- the gathered parameters in shared memory -------------------------------------------------

@@ -560,14 +560,21 @@ def _take_over() -> None:
 def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out = ((rows[0] + rows[1]) + rows[2]) + ...``, accumulated in float32 (or the
     rows' dtype when wider) and rounded to ``out``'s dtype once, at the end: one fixed
-    order, whatever the number of rows. (``torch.sum`` over the rows adds in this order only
-    up to 4 rows on CPU: its vectorized kernel regroups more.)"""
-    narrow = out.is_floating_point() and torch.finfo(out.dtype).bits < 32
-    acc = rows[0].to(torch.float32) if narrow else out.copy_(rows[0])
-    for r in range(1, rows.shape[0]):
-        acc.add_(rows[r])
-    if narrow:
+    order, whatever the number of rows. The first two rows are added straight into ``out``,
+    not copied there first. (``torch.sum`` over the rows adds in this order only up to 4
+    rows on CPU: its vectorized kernel regroups more.)"""
+    n = rows.shape[0]
+    if out.is_floating_point() and torch.finfo(out.dtype).bits < 32:
+        acc = rows[0].to(torch.float32)
+        for r in range(1, n):
+            acc.add_(rows[r])
         out.copy_(acc)
+    elif n == 1:
+        out.copy_(rows[0])
+    else:
+        torch.add(rows[0], rows[1], out=out)
+        for r in range(2, n):
+            out.add_(rows[r])
 
 
 def _same_machine(group: dist.ProcessGroup) -> bool:
