@@ -282,6 +282,29 @@ def test_the_token_cache_follows_edits_of_the_corpus_and_of_the_tokenizer(tmp_pa
         assert got == expected
 
 
+def test_max_bytes_counts_utf8_bytes_and_cuts_the_last_document(tmp_path):
+    # data.max_bytes counted characters (a text of 3-byte characters read 3x the bytes asked
+    # for) and took the document crossing the limit whole.
+    from torchspmd.train.config import DataConfig
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("h\u00e9llo", encoding="utf-8")  # 6 bytes, 5 characters
+    (folder / "b.txt").write_text("\u20ac\u20ac\u20ac\u20ac", encoding="utf-8")  # 12 bytes, 4 characters
+    (folder / "c.txt").write_text("never read", encoding="utf-8")
+    byte = tdata.ByteTokenizer()
+    eos = [byte.eos_id]
+    for cap, text in ((6, ["h\u00e9llo"]), (7, ["h\u00e9llo"]),  # 1 byte left: no room for a euro sign
+                      (13, ["h\u00e9llo", "\u20ac\u20ac"]), (18, ["h\u00e9llo", "\u20ac" * 4]),
+                      (0, ["h\u00e9llo", "\u20ac" * 4, "never read"])):
+        got = tdata.load_tokens(DataConfig(path=str(folder), max_bytes=cap), byte, tmp_path / "cache").tolist()
+        assert got == sum((list(t.encode()) + eos for t in text), []), cap
+        if cap:
+            assert sum(len(t.encode()) for t in text) <= cap
+    with pytest.raises(ts.SpmdError, match="data.max_bytes = 1"):
+        tdata.tokenize_corpus(str(folder / "b.txt"), "text", byte, 1)
+
+
 def _from_args(*argv):
     from torchspmd.train.config import from_args
 

@@ -45,7 +45,8 @@ class DataConfig:
     tokenizer: str = _f("byte", "'byte' (256 byte values + end of text) or a local tokenizer.json / "
                                 "transformers tokenizer directory")
     seq_len: int = _f(128, "tokens per training sequence")
-    max_bytes: int = _f(4_000_000, "read at most this many bytes of text (0: all)")
+    max_bytes: int = _f(4_000_000, "read at most this many bytes of text, UTF-8 (the document reaching "
+                                    "it is cut there; 0: all)")
     eval_fraction: float = _f(0.02, "fraction of the sequences held out for evaluation")
 
 

@@ -193,19 +193,42 @@ def iter_documents(path: str, text_field: str) -> Iterator[str]:
             yield f.read_text(encoding="utf-8", errors="replace")
 
 
+def _utf8_prefix(text: str, room: int) -> tuple[str, int]:
+    """The longest prefix of ``text`` whose UTF-8 encoding fits in ``room`` bytes (whole
+    characters: ``text`` itself when it fits), and its size in bytes."""
+    raw = text.encode("utf-8", "surrogatepass")  # (a JSON string may hold a lone surrogate)
+    if len(raw) <= room:
+        return text, len(raw)
+    for cut in range(room, max(-1, room - 4), -1):  # a character is at most 4 bytes
+        try:
+            return raw[:cut].decode("utf-8", "surrogatepass"), cut
+        except UnicodeDecodeError:
+            continue
+    return "", 0
+
+
 def tokenize_corpus(path: str, text_field: str, tokenizer, max_bytes: int) -> np.ndarray:
+    """The corpus's documents, tokenized, each followed by the end-of-text token. With
+    ``max_bytes``, at most that many bytes of text (UTF-8) are taken: the document that
+    reaches the limit is cut there, at a character boundary."""
     ids: list[int] = []
     seen = 0
     for doc in iter_documents(path, text_field):
         if not doc:
             continue
+        whole = True
+        if max_bytes:
+            cut, size = _utf8_prefix(doc, max_bytes - seen)
+            seen, whole, doc = seen + size, cut is doc, cut
+            if not doc:
+                break
         ids.extend(tokenizer.encode(doc))
         ids.append(tokenizer.eos_id)
-        seen += len(doc)
-        if max_bytes and seen >= max_bytes:
+        if not whole or (max_bytes and seen >= max_bytes):
             break
-    if len(ids) == 0 or seen == 0:
-        raise SpmdError(f"data.path = {path!r}: holds no text")
+    if not ids:
+        within = f" within its first data.max_bytes = {max_bytes} bytes" if max_bytes else ""
+        raise SpmdError(f"data.path = {path!r}: holds no text{within}")
     dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.int32
     return np.asarray(ids, dtype=dtype)
 
@@ -229,7 +252,8 @@ def _fingerprint(path: str) -> list:
 
 def load_tokens(cfg, tokenizer, cache_dir: Path) -> np.ndarray:
     """Tokenize once (rank 0) into ``cache_dir``; every process then maps the file."""
-    key = hashlib.sha1(json.dumps([cfg.path and str(Path(cfg.path).resolve()), cfg.text_field, tokenizer.name,
+    key = hashlib.sha1(json.dumps(["max_bytes in UTF-8 bytes, the last document cut",  # (was: characters)
+                                   cfg.path and str(Path(cfg.path).resolve()), cfg.text_field, tokenizer.name,
                                    cfg.max_bytes, _fingerprint(cfg.path),
                                    [] if tokenizer.name == "byte" else _fingerprint(tokenizer.name)]
                                   ).encode()).hexdigest()[:12]
