@@ -129,6 +129,57 @@ class PackedLM(MlpLM):
         self.blocks = nn.ModuleList([PackedBlock(), PackedBlock()])
 
 
+class DropBlock(nn.Module):
+    """Causal attention (q/k/v/o linears, 4 heads of 4, computed by hand) and an MLP, with
+    dropout on the attention weights and on the MLP's hidden features (split over 'model'
+    under tensor parallelism: each process's heads, its features) and on the block's MLP
+    output (whole on every process). ``masks`` (the oracle's): the dropout masks to apply
+    instead, in call order."""
+
+    P = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(DIM, INTER), nn.Linear(INTER, DIM)
+        self.masks = None
+
+    def drop(self, x):
+        if self.masks is None:
+            return F.dropout(x, self.P, training=self.training)
+        return x * self.masks.pop(0) * (1 / (1 - self.P))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+
+        def heads(y):
+            return y.view(b, t, -1, 4).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        probs = torch.softmax(q @ k.transpose(-2, -1) / 2 + causal, dim=-1)
+        h = x + self.o((self.drop(probs) @ v).transpose(1, 2).reshape(b, t, -1))
+        return h + self.drop(self.fc2(self.drop(F.gelu(self.fc1(h)))))
+
+
+class DropLM(MlpLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([DropBlock(), DropBlock()])
+
+
+def dropout_oracle(batch: int, masks: list):
+    """One device, one step, with the given dropout masks (each block's three, in call
+    order): the loss and the gradients."""
+    model = build("drop")
+    for i, b in enumerate(model.blocks):
+        b.masks = list(masks[3 * i:3 * i + 3])
+    x, y = batches(batch)[0]
+    loss = loss_of(model(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def llama_config():
     from transformers import LlamaConfig
 
@@ -145,6 +196,8 @@ def build(kind: str) -> nn.Module:
         return AttnLM()
     if kind == "packed":
         return PackedLM()
+    if kind == "drop":
+        return DropLM()
     if kind == "tied":  # the LM head is the embedding's table
         model = MlpLM()
         model.lm_head.weight = model.embed.weight

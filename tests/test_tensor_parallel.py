@@ -368,6 +368,121 @@ def test_dropout_of_a_row_parallel_output(dist):
         torch.testing.assert_close(out[kept], 2 * y[kept], rtol=RTOL, atol=ATOL)
 
 
+def _dropout_run(shape, wrap, batch):
+    """One FSDPv2 step of M.DropLM split over 'model', recording every dropout's mask (this
+    process's part) and whether autograd was recomputing (a checkpointed unit) when drawn."""
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), shape, ("fsdp", "model"))
+    model = M.build("drop")
+    for b in model.blocks:
+        for lin in (b.q, b.k, b.v, b.fc1):
+            ts.mark_sharding(lin.weight, mesh, ("model", None))
+        ts.mark_sharding(b.fc1.bias, mesh, ("model",))
+        for lin in (b.o, b.fc2):
+            ts.mark_sharding(lin.weight, mesh, (None, "model"))
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={M.DropBlock})
+    if wrap == "fsdp":
+        model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
+    else:  # nested units, each checkpointed: backward recomputes the forward, dropout included
+        model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy,
+                          auto_wrapper_callable=lambda m, *a, **k: ts.FSDPv2(ts.checkpoint_module(m), *a, **k))
+    calls, real = [], torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = real(x, p, training, inplace)
+        calls.append((torch._C._current_graph_task_id() != -1, (_local(out) != 0).detach().clone()))
+        return out
+
+    torch.nn.functional.dropout = recording
+    try:
+        x, y = M.batches(batch)[0]
+        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+        with ts.step():
+            loss = M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
+            loss.backward()
+    finally:
+        torch.nn.functional.dropout = real
+    return dict(loss=loss.item(), grads={k: _full(p.grad) for k, p in model.named_parameters()},
+                forward=[m for again, m in calls if not again], recomputed=[m for again, m in calls if again],
+                coord=tuple(mesh.device_mesh.get_coordinate()))
+
+
+@pytest.mark.parametrize("wrap,shape,batch", [("fsdp", (1, 2), 5), ("fsdp", (2, 2), 5), ("checkpoint", (2, 2), 5)])
+def test_dropout_inside_a_pair_draws_a_mask_per_split(dist, wrap, shape, batch):
+    """Dropout between a column-parallel linear and its row-parallel partner (attention
+    weights: each process's heads; the MLP's hidden features) drew the same stream on every
+    'model' process of the same rows, so every split of a row got the same mask. Now each
+    split draws its own, while dropout of a whole (replicated) activation keeps one mask
+    along 'model' (the processes' copies stay equal), and a checkpointed unit recomputes the
+    masks it drew. The oracle: one device, plain PyTorch, applying the masks the processes
+    drew (put together from their parts) — losses and gradients must match."""
+    results = dist(math.prod(shape)).run(_dropout_run, shape, wrap, batch)
+    by = {r["coord"]: r for r in results}
+    data, split = shape
+    for r in results:
+        assert len(r["forward"]) == 6  # per block: attention weights, MLP hidden (split), MLP output (whole)
+        assert r["loss"] == results[0]["loss"]
+        if wrap == "checkpoint":  # (backward's gradients against the oracle check the recomputed masks too)
+            assert len(r["recomputed"]) >= 4
+            assert all(any(torch.equal(a, b) for b in r["forward"]) for a in r["recomputed"])
+        for i in (1, 4):  # (the attention weights above the diagonal are zero, dropped or not)
+            assert 0.3 < r["forward"][i].float().mean() < 0.7
+    for d in range(data):
+        for i in range(6):
+            parts = [by[(d, m)]["forward"][i] for m in range(split)]
+            if i % 3 == 2:  # the whole output: one mask on every process of these rows
+                assert all(torch.equal(parts[0], q) for q in parts)
+            else:  # each split its own mask (the code before gave every split the same)
+                assert not any(torch.equal(parts[0], q) for q in parts[1:]), (d, i)
+    # every process's part, put together: heads on dim 1 (attention), features last (MLP)
+    masks = []
+    for i in range(6):
+        rows = []
+        for d in range(data):
+            parts = [by[(d, m)]["forward"][i] for m in range(split)]
+            rows.append(parts[0] if i % 3 == 2 else torch.cat(parts, dim=1 if i % 3 == 0 else -1))
+        masks.append(torch.cat(rows, dim=0).float())
+    loss, grads = run_clean(M.dropout_oracle, batch, masks)
+    r0 = by[(0, 0)]
+    np.testing.assert_allclose(r0["loss"], loss, rtol=RTOL, atol=ATOL)
+    assert r0["grads"].keys() == grads.keys()
+    for k in grads:
+        torch.testing.assert_close(r0["grads"][k], grads[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"grad {k}: {m}")
+
+
+def _attention_dropout_masks():
+    mesh = ts.Mesh(np.arange(2), (1, 2), ("fsdp", "model"))
+    model = M.build("attn")
+    for b in model.blocks:
+        b.attn.dropout = 0.5
+    _annotate_attn(model, mesh)
+    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(
+        ts.transformer_auto_wrap_policy, transformer_layer_cls={M.AttnBlock}))
+    masks, real = [], torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = real(x, p, training, inplace)
+        masks.append((out != 0).detach().clone())
+        return out
+
+    torch.nn.functional.dropout = recording
+    try:
+        x, y = M.batches(4)[0]
+        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+        loss = M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
+    finally:
+        torch.nn.functional.dropout = real
+    return masks, loss.item()
+
+
+def test_attention_dropout_of_split_heads_draws_a_mask_per_split(dist):
+    """nn.MultiheadAttention split by heads: its dropout of the attention weights (the path
+    that returns them) drew the same masks on both 'model' processes, one per head position."""
+    (m0, l0), (m1, l1) = dist(2).run(_attention_dropout_masks)
+    assert l0 == l1 and len(m0) == len(m1) == 1  # the second block returns its weights: F.dropout
+    assert m0[0].shape == m1[0].shape and not torch.equal(m0[0], m1[0])
+
+
 def input_grad_free_pair():
     with torch.no_grad():
         return M.pair()(M.input_rows())

@@ -203,11 +203,17 @@ def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
         if layout is None:
-            yield
+            try:
+                yield
+            finally:
+                _rng.exit_split_stream()  # a tensor-parallel pair left open (its partner never ran)
             return
         mesh = layout.device_mesh
         index = _rng.shard_index(_coord(mesh), list(mesh.shape), data_dims)
         with _rng.local_stream(index, mesh.device_type):
-            yield
+            try:
+                yield
+            finally:
+                _rng.exit_split_stream()
     finally:
         _LOCAL.depth -= 1

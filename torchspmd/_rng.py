@@ -12,12 +12,18 @@ others (a dropout mask drawn for rank 0's rows, reused for rank 1's). ``local_st
 takes one number from the shared stream (so every process's shared state advances
 alike) and, from it and the shard's index, seeds a stream for this shard alone while
 the shard's random operations run.
+
+Inside a tensor-parallel pair (FSDPv2 x 'model': from a column-parallel linear's output to
+its row-parallel partner's input) each process along the split axis holds its own features
+or heads of the same rows: ``enter_split_stream`` / ``exit_split_stream`` do the same there,
+one level down (one number from the rows' stream, and the index along the split axis).
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -83,3 +89,33 @@ def shard_index(coordinate: list[int], sizes: list[int], dims: list[int]) -> int
     for d in dims:
         index = index * sizes[d] + coordinate[d]
     return index
+
+
+_SPLIT = threading.local()
+
+
+def enter_split_stream(index: int, device_type: str = "cpu") -> None:
+    """From here to :func:`exit_split_stream`, random operations draw from a stream of
+    split ``index`` alone (one number from the current stream, so the processes holding the
+    same rows advance it alike). Entering while in one does nothing (a pair's q, k and v
+    each enter)."""
+    if getattr(_SPLIT, "saved", None) is not None:
+        return
+    seed = shard_seed(index)
+    cuda = _cuda_device(device_type)
+    _SPLIT.saved = (torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+    torch.default_generator.manual_seed(seed)
+    if cuda is not None:
+        torch.cuda.manual_seed(seed)
+
+
+def exit_split_stream() -> None:
+    """Back to the stream :func:`enter_split_stream` left, as its one draw left it (nothing
+    when not in a split stream)."""
+    saved = getattr(_SPLIT, "saved", None)
+    if saved is None:
+        return
+    _SPLIT.saved = None
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None:
+        torch.cuda.set_rng_state(saved[2], saved[1])

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchspmd import _rng
 from torchspmd._errors import SpmdError
 
 COL, ROW, MHA = "colwise", "rowwise", "attention"
@@ -185,6 +186,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
 
     paired_col: set = set()
     paired_row: set = set()
+    pair_ends: set = set()  # the row-parallel partners as their parents see them (a linear, or its adapter)
     for owner, style in styles.items():
         if style != COL or not isinstance(owner, nn.Linear) or getattr(owner, "_torchspmd_tp_gather", False):
             continue
@@ -212,6 +214,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             rows = [m for m in partner.modules() if styles.get(m) == ROW and logical(m) is partner] \
                 if partner is not owner else []
             paired_row.update(rows or [partner])
+            pair_ends.add(partner)
             _check_even(fqn, owner, up, linear(partner), n, axis_name)
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -244,6 +247,10 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
         parallelize_module(owner, tp_mesh, plan)
         owner._torchspmd_tp = (axis_name, style, owner in paired_col or owner in paired_row)
+        if owner in paired_col:
+            owner.register_forward_hook(_enter_split(tp_mesh))
+    for partner in pair_ends:
+        partner.register_forward_hook(_exit_split)
     for owner, name, first, first_name in ties:
         kept, made = first._parameters[first_name], owner._parameters[name]
         if tuple(kept.placements) != tuple(made.placements):
@@ -317,6 +324,49 @@ def _to_tp_mesh(owner: nn.Module, params: dict, data_dims, axis: int, tp_mesh, d
 # ``out_proj`` is row-parallel. Forward: q, k, v of the local heads from the whole input
 # (whose gradient is summed over 'model'), attention on them, the output projection's
 # partial sums reduced once. The packed bias and out_proj's bias stay whole (FSDP's).
+
+
+def _split_stream_allowed() -> bool:
+    """A pair's random stream is switched only where its row-parallel partner follows for
+    sure: inside FSDPv2's local compute, or in backward (a checkpointed unit recomputing its
+    forward, whose random state ``torch.utils.checkpoint`` has put back)."""
+    from torchspmd._boundary import in_local_compute
+
+    return in_local_compute() or torch._C._current_graph_task_id() != -1
+
+
+def _enter_split(tp_mesh):
+    """A paired column-parallel linear's forward hook: random operations from its output on
+    (dropout of attention weights or of the MLP's hidden features, each process's own heads or
+    features of the same rows) draw from this process's split of the rows' stream, not the one
+    every process along the axis shares (which would give every split the same mask)."""
+    index, device_type = tp_mesh.get_local_rank(), tp_mesh.device_type
+
+    def hook(module, args, output):
+        if module.training and _split_stream_allowed():
+            _rng.enter_split_stream(index, device_type)
+
+    return hook
+
+
+@contextlib.contextmanager
+def _split_stream(tp_mesh, p: float):
+    """The attention dropout of this process's heads, from its split of the rows' stream."""
+    if not p:
+        yield
+        return
+    _rng.enter_split_stream(tp_mesh.get_local_rank(), tp_mesh.device_type)
+    try:
+        yield
+    finally:
+        _rng.exit_split_stream()
+
+
+def _exit_split(module, args, output):
+    """A row-parallel partner's forward hook (the linear's, or its adapter's: PEFT's LoRA
+    drops out the split input of its ``lora_A`` after the base layer ran): back to the rows'
+    stream, its output being the same on every process along the axis."""
+    _rng.exit_split_stream()
 
 
 def _attention_of(owner: nn.Module, parent: dict):
@@ -420,10 +470,12 @@ def _attention_forward(mha: nn.MultiheadAttention, tp_mesh, query, key, value, k
             weights = DTensor.from_local(part.detach(), tp_mesh, place, run_check=False).full_tensor()
             if unbatched:
                 weights = weights.squeeze(0)
-        attn = F.dropout(probs, p, training=p > 0) @ v
+        with _split_stream(tp_mesh, p):
+            attn = F.dropout(probs, p, training=p > 0) @ v
     else:
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                              is_causal=bool(is_causal and mask is None))
+        with _split_stream(tp_mesh, p):
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=bool(is_causal and mask is None))
     attn = attn.transpose(1, 2).reshape(B, T, Hl * d)
     o = DTensor.from_local(attn, tp_mesh, [Shard(-1)], run_check=False, shape=(B, T, E),
                            stride=(T * E, E, 1))
