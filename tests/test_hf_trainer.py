@@ -493,6 +493,92 @@ def test_label_smoothing_and_short_last_batches_match_the_stock_trainer(dist, tm
         torch.testing.assert_close(r["unlabelled"][0], oracle["unlabelled"][0], rtol=RTOL, atol=1e-5)
 
 
+# -- a model that computes its own loss: sequence classification -----------------------------------
+def _classify(out, sharded, labels):
+    """A Llama sequence classifier (integer labels: cross-entropy; or float labels with one
+    output: regression) evaluated on 13 rows in batches of 8: the last batch of 5 rows can't
+    give each of 4 devices a row (2, 2, 1, 0) and is made up to 7 rows by repeating its last."""
+    if sharded:
+        from torchspmd.hf import Trainer as cls
+    else:
+        cls = transformers.Trainer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+                                      num_labels=3 if labels == "int" else 1)
+    model = transformers.LlamaForSequenceClassification(config)
+    rows = _token_rows(13, 3)
+    g = torch.Generator().manual_seed(4)
+    values = (torch.randint(0, 3, (13,), generator=g).tolist() if labels == "int"
+              else torch.randn(13, generator=g).tolist())
+    rows = rows.add_column("labels", values)
+    collator = transformers.DataCollatorWithPadding(_tokenizer())
+    trainer = cls(model=model, args=_args(out, sharded, model, per_device_eval_batch_size=8), data_collator=collator)
+    pred = trainer.predict(rows)
+    return {"loss": trainer.evaluate(rows)["eval_loss"], "predictions": torch.as_tensor(pred.predictions),
+            "label_ids": torch.as_tensor(pred.label_ids)}
+
+
+@pytest.mark.parametrize("labels", ["int", "float"])
+def test_a_short_last_evaluation_batch_leaves_a_models_own_loss_as_the_stock_trainers(dist, tmp_path, labels):
+    """A model computing its own loss (a mean over its rows, made global as the row-weighted
+    mean): the rows repeated to make up the last batch weighed in its evaluation loss (on 4
+    devices a last batch of 5 rows became 7, its last row counted three times). It is now run
+    as 4 rows and 1 row repeated 4 times; the loss and the predictions are the stock
+    trainer's in one process."""
+    oracle = run_clean(_classify, str(tmp_path / "one"), False, labels)
+    for got in dist(4).run(_classify, str(tmp_path / "four"), True, labels):
+        torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(oracle["loss"]), rtol=RTOL, atol=1e-6)
+        assert got["predictions"].shape == oracle["predictions"].shape == (13, 3 if labels == "int" else 1)
+        torch.testing.assert_close(got["predictions"], oracle["predictions"], rtol=RTOL, atol=1e-5)
+        assert torch.equal(got["label_ids"], oracle["label_ids"])
+
+
+def _tag(out, sharded):
+    """A Llama token classifier trained 3 steps and evaluated: its labels are -100 on each
+    row's first token and on the padding (DataCollatorForTokenClassification), so the
+    labelled tokens fall unevenly on the devices."""
+    if sharded:
+        from torchspmd.hf import Trainer as cls
+    else:
+        cls = transformers.Trainer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=0, eos_token_id=2, num_labels=5,
+                                      classifier_dropout=0.0)  # (its default, 0.1, draws masks no run can match)
+    model = transformers.LlamaForTokenClassification(config)
+
+    def tagged(n, seed):
+        rows = _token_rows(n, seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        return rows.add_column("labels", [[-100] + torch.randint(0, 5, (len(r) - 1,), generator=g).tolist()
+                                          for r in rows["input_ids"]])
+
+    collator = transformers.DataCollatorForTokenClassification(_tokenizer())
+    trainer = cls(model=model, args=_args(out, sharded, model, gradient_accumulation_steps=1),
+                  train_dataset=tagged(21, 1), eval_dataset=tagged(13, 2), data_collator=collator)
+    trainer.train()
+    result = _history(trainer)
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_token_classifier_trains_like_one_process(dist, tmp_path, world):
+    """A model whose own loss is a mean over labelled tokens (token classification, masked
+    LM): each process's mean over its rows, made global as the row-weighted mean, was not the
+    mean over the batch's labelled tokens when they fall unevenly on the processes. Its loss
+    is now computed from the global logits, as a causal LM's."""
+    oracle = run_clean(_tag, str(tmp_path / "one"), False)
+    for got in dist(world).run(_tag, str(tmp_path / "many"), True):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(oracle[key]), rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got["eval_loss"]), torch.tensor(oracle["eval_loss"]),
+                                   rtol=RTOL, atol=1e-6)
+
+
 # -- an MoE model's router load-balancing loss --------------------------------------------------
 def _train_moe(out, sharded):
     if sharded:

@@ -25,10 +25,12 @@ trainer runs the SPMD program torch_xla runs on a TPU host, over all the process
   in training a last batch that can't give every device a row is left out, other uneven
   batches are split unevenly, so ``dataloader_drop_last`` is not needed; in evaluation and
   prediction such a batch is made up by repeating its last row, and the rows added are
-  taken out of the loss and the results (which have the stock trainer's rows);
+  taken out of the loss and the results (which have the stock trainer's rows); for a model
+  computing its own loss it is run as pieces that only repeat one row (``_GlobalCollate``);
 - the causal-LM loss is computed from the global logits: the exact single-device loss,
   also with unevenly padded labels, gradient accumulation, ``label_smoothing_factor`` and
-  an MoE model's router load-balancing loss (over the global batch);
+  an MoE model's router load-balancing loss (over the global batch); a masked LM's and a
+  token classifier's too (their labels as they are: the mean over the labelled tokens);
 - ``save_model`` and checkpoints (written atomically) write a normal Hugging Face directory (safetensors,
   clean keys; a PEFT model saves its adapter), plus the optimizer state sharded with
   ``torch.distributed.checkpoint`` under ``optimizer/``; ``train(resume_from_checkpoint=...)``
@@ -131,15 +133,27 @@ class _LeftOut:
         self.rows = rows
 
 
+class _Pieces(list):
+    """What ``_GlobalCollate`` returns for an evaluation batch it splits: the batches to run
+    in its place, in order."""
+
+
 class _GlobalCollate:
     """The trainer's collator, for a global batch. A batch too small to give every device a
     row (the last one) is, for evaluation, made up to the fewest rows that can be split by
     repeating its last row, and ``ADDED_ROWS_KEY`` says how many were added (the trainer
     takes them out of the loss and the results); for training it is left out (``_LeftOut``).
-    Repeating an existing row keeps the padded length of the batch the same."""
+    Repeating an existing row keeps the padded length of the batch the same.
 
-    def __init__(self, collator, devices: int, evaluation: bool):
-        self.collator, self.devices, self.evaluation = collator, devices, evaluation
+    ``pieces`` (a model computing its own loss, a mean over its rows, which the rows added
+    would weigh in; not a causal LM, masked LM or token classifier, whose loss the trainer
+    computes, leaving out the added rows' labels): such a batch is collated whole, then run
+    as pieces of its rows that need no row added but copies of one — the first rows in a
+    multiple of the devices, then each remaining row repeated once per device (copies of one
+    row leave its mean as it is) —, padded as the whole batch."""
+
+    def __init__(self, collator, devices: int, evaluation: bool, pieces: bool = False):
+        self.collator, self.devices, self.evaluation, self.pieces = collator, devices, evaluation, pieces
 
     def __call__(self, samples):
         rows = len(samples)
@@ -147,6 +161,16 @@ class _GlobalCollate:
             return self.collator(samples)
         if not self.evaluation or rows == 0:
             return _LeftOut(rows)
+        if self.pieces and rows > 1:
+            batch = self.collator(samples)
+            if not isinstance(batch, collections.abc.Mapping):
+                return _LeftOut(rows)
+            even = rows - rows % self.devices
+            parts = ([_rows_of(batch, rows, 0, even, 1)] if even else []) + [
+                _rows_of(batch, rows, r, r + 1, self.devices) for r in range(even, rows)]
+            for part in parts[1 if even else 0:]:
+                part[ADDED_ROWS_KEY] = self.devices - 1
+            return _Pieces(parts)
         whole = rows
         while not _splittable(whole, self.devices):
             whole += 1
@@ -155,6 +179,18 @@ class _GlobalCollate:
             return _LeftOut(rows)  # (no place to record the rows added)
         batch[ADDED_ROWS_KEY] = whole - rows
         return batch
+
+
+def _rows_of(batch, rows: int, start: int, end: int, copies: int) -> dict:
+    """Rows ``start:end`` of a collated batch (its tensors with ``rows`` rows; other values
+    as they are), ``copies`` times over."""
+    def take(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            part = v[start:end]
+            return part.repeat(copies, *([1] * (v.dim() - 1))) if copies > 1 else part.clone()
+        return v
+
+    return {k: take(v) for k, v in batch.items()}
 
 
 def _splittable(rows: int, devices: int) -> bool:
@@ -177,6 +213,8 @@ class _GlobalLoader(DataLoader):
         for batch in super().__iter__():
             if isinstance(batch, _LeftOut):
                 _warn_left_out(batch.rows, devices)
+            elif isinstance(batch, _Pieces):
+                yield from batch
             else:
                 yield batch
 
@@ -306,10 +344,21 @@ class Trainer(_StockTrainer):
         def unit(module, *a, **k):
             return shard_in_place(checkpoint_module(module) if checkpointing else module, *a, **k)
 
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        )
 
         # (named before fully_shard renames the class)
-        self._spmd_causal_lm = type(_unwrap_peft(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        name = type(_unwrap_peft(model)).__name__
+        self._spmd_causal_lm = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        # A masked LM's or token classifier's own loss is the mean cross-entropy over its
+        # labelled tokens: computed here from the global logits, as a causal LM's (not shifted)
+        # (not an encoder-decoder model of those classes, BART's: its labels make its decoder's input)
+        self._spmd_token_labels = not self._spmd_causal_lm and name in (
+            set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) | set(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
+        ) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         if not self._spmd_causal_lm:
             # The model's own loss is then a mean over this process's rows, made global as the
             # row-weighted mean: it must not be a sum divided by a global token count.
@@ -394,7 +443,8 @@ class Trainer(_StockTrainer):
         # (evaluation: a short last batch is made up and the rows added taken out again; training:
         # left out, see _GlobalCollate)
         params: dict[str, Any] = dict(
-            collate_fn=_GlobalCollate(collator, self._spmd_rows, evaluation=not is_training),
+            collate_fn=_GlobalCollate(collator, self._spmd_rows, evaluation=not is_training,
+                                      pieces=not (self._spmd_causal_lm or self._spmd_token_labels)),
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,
         )
@@ -428,8 +478,9 @@ class Trainer(_StockTrainer):
         return shard_batch(inputs, ShardingSpec(self._spmd_mesh, ("fsdp", None)), device=self.args.device)
 
     def _spmd_take_added_rows(self, inputs):
-        """An evaluation batch's rows added by ``_GlobalCollate`` get no loss (a causal LM's
-        labels -100 there), and the results of a batch shorter than the evaluation batch size
+        """An evaluation batch's rows added by ``_GlobalCollate`` get no loss (a causal LM's,
+        masked LM's or token classifier's labels -100 there; other models' batches come as
+        pieces, see ``_GlobalCollate``), and the results of a batch shorter than the evaluation batch size
         (the last) are cut to its real rows by ``_spmd_gather_for_metrics``: what accelerate's
         ``gather_for_metrics`` does for the stock trainer (the batch's loss, which
         ``evaluation_loop`` repeats batch-size times, included)."""
@@ -440,7 +491,8 @@ class Trainer(_StockTrainer):
             inputs = dict(inputs)
             added = inputs.pop(ADDED_ROWS_KEY)
             labels = inputs.get("labels")
-            if self._spmd_causal_lm and isinstance(labels, torch.Tensor) and labels.dim() > 0:
+            if (self._spmd_causal_lm or self._spmd_token_labels) and isinstance(labels, torch.Tensor) \
+                    and labels.dim() > 0:
                 labels = labels.clone()
                 labels[-added:] = IGNORE_INDEX
                 inputs["labels"] = labels
@@ -469,7 +521,10 @@ class Trainer(_StockTrainer):
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         # (label_smoothing_factor too: transformers' LabelSmoother gives a wrong value on the
         # global DTensors, so the loss below smooths the labels itself)
-        if not (self._spmd and self._spmd_causal_lm and "labels" in inputs and self.compute_loss_func is None):
+        token_labels = self._spmd and self._spmd_token_labels and "labels" in inputs and not (
+            inputs["labels"].is_floating_point() or any(k != "labels" and k.endswith("labels") for k in inputs))
+        if not (self._spmd and (self._spmd_causal_lm or token_labels) and "labels" in inputs
+                and self.compute_loss_func is None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         inputs = dict(inputs)
@@ -478,7 +533,12 @@ class Trainer(_StockTrainer):
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
-        loss = _causal_lm_loss(logits, labels, shift_labels, num_items_in_batch, smoothing)
+        if token_labels:
+            # (the model divides by its own count of labelled tokens, not num_items_in_batch; other
+            # labels, LUKE's entity_labels, would add a loss of their own: the model's loss then)
+            loss = _causal_lm_loss(logits, None, labels, None, smoothing)
+        else:
+            loss = _causal_lm_loss(logits, labels, shift_labels, num_items_in_batch, smoothing)
         aux = self._spmd_router_aux_loss(outputs, inputs)
         if aux is not None:
             loss = loss + aux
