@@ -45,6 +45,31 @@ class CpuUse:
                 "csw_voluntary": self.voluntary / n, "csw_involuntary": self.involuntary / n}
 
 
+def seed_fsdpv2(steps: int):
+    """In a worker of ``torchspmd run``: ``use_spmd()``, the seed decoder of ``bench/suite.py``
+    (107M) under FSDPv2 with one unit per layer on all the processes' 1-D mesh, a loader of
+    ``steps`` global batches (4 x 64 tokens) and fused Adam: ``(model, loader, optimizer)``."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    import torchspmd as ts
+    from suite import BATCH, SEED, _data
+    from torchspmd.models import DecoderLayer, DecoderModel
+
+    ts.use_spmd()
+    torch.manual_seed(0)
+    model = DecoderModel(**SEED)
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
+    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(SEED["vocab_size"], steps), batch_size=BATCH),
+                               ts.device(), input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
+    return model, loader, torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+
 def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None = None,
                 autocast=None) -> list[float]:
     """Train on every batch of ``loader``; return the seconds of each step after ``warmup``

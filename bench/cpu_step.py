@@ -32,17 +32,13 @@ COLUMNS = ("tokens_per_s", "cpu_s_per_step", "utilisation", "barriers_per_step",
 
 
 def worker(result: str, steps: int = 10, warmup: int = 3) -> None:
-    import functools
     import resource
 
-    import numpy as np
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import torchspmd as ts
-    from suite import BATCH, SEED, SEQ, _data
-    from torchspmd.models import DecoderLayer, DecoderModel
+    from _common import seed_fsdpv2
+    from suite import BATCH, SEED, SEQ
 
     barriers = {"n": 0, "s": 0.0}
     barrier = dist.barrier
@@ -56,16 +52,7 @@ def worker(result: str, steps: int = 10, warmup: int = 3) -> None:
             barriers["n"] += 1
 
     dist.barrier = timed_barrier  # the shared-memory collectives' barriers go through it
-    ts.use_spmd()
-    torch.manual_seed(0)
-    model = DecoderModel(**SEED)
-    n = ts.global_runtime_device_count()
-    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
-    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
-    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(SEED["vocab_size"], steps), batch_size=BATCH),
-                               ts.device(), input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    model, loader, opt = seed_fsdpv2(steps)
     for step, (x, y) in enumerate(loader):
         if step == warmup:
             r0, w0, b0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), dict(barriers)

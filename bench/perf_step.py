@@ -49,27 +49,13 @@ KINDS = (
 
 
 def worker(result: str, ctl: str, steps: int, warmup: int) -> None:
-    import functools
-
-    import numpy as np
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import torchspmd as ts
-    from suite import BATCH, SEED, SEQ, _data
-    from torchspmd.models import DecoderLayer, DecoderModel
+    from _common import seed_fsdpv2
+    from suite import BATCH, SEED, SEQ
 
-    ts.use_spmd()
-    torch.manual_seed(0)
-    model = DecoderModel(**SEED)
-    n = ts.global_runtime_device_count()
-    mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
-    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
-    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
-    loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(_data(SEED["vocab_size"], steps), batch_size=BATCH),
-                               ts.device(), input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    model, loader, opt = seed_fsdpv2(steps)
     rank0 = dist.get_rank() == 0
     for step, (x, y) in enumerate(loader):
         if step == warmup:
@@ -165,7 +151,9 @@ def main() -> None:
     (a.out / "perf_step.json").write_text(json.dumps({str(n): v for n, v in runs.items()}, indent=1))
     counts = a.nproc
     lines = ["# Where an FSDPv2 step's CPU time goes, by kind of code", "",
-             f"`python bench/perf_step.py --repeats {a.repeats} --nproc {' '.join(map(str, counts))}` on this machine "
+             f"`python bench/perf_step.py --repeats {a.repeats} --nproc {' '.join(map(str, counts))}"
+             + ("" if (a.steps, a.warmup, a.freq) == (14, 7, 499) else
+                f" --steps {a.steps} --warmup {a.warmup} --freq {a.freq}") + "` on this machine "
              f"({os.cpu_count()} cores): the seed decoder (107M), FSDPv2 with the shared-memory collectives, 4 x 64 "
              f"tokens per step, fused Adam; `perf record` at {a.freq} samples per CPU-second over steps "
              f"{a.warmup + 1}-{a.steps} of each run, every process of the run. CPU seconds per step of all the "

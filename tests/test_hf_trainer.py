@@ -29,12 +29,15 @@ def _tokenizer():
                                                 eos_token="<eos>")
 
 
+def _llama_config(**extra):
+    return transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64, pad_token_id=0, eos_token_id=2, **extra)
+
+
 def _model():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=0, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(_llama_config())
 
 
 def _token_rows(n, seed):
@@ -503,11 +506,7 @@ def _classify(out, sharded, labels):
     else:
         cls = transformers.Trainer
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
-                                      num_labels=3 if labels == "int" else 1)
-    model = transformers.LlamaForSequenceClassification(config)
+    model = transformers.LlamaForSequenceClassification(_llama_config(num_labels=3 if labels == "int" else 1))
     rows = _token_rows(13, 3)
     g = torch.Generator().manual_seed(4)
     values = (torch.randint(0, 3, (13,), generator=g).tolist() if labels == "int"
@@ -544,11 +543,8 @@ def _tag(out, sharded):
     else:
         cls = transformers.Trainer
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=0, eos_token_id=2, num_labels=5,
-                                      classifier_dropout=0.0)  # (its default, 0.1, draws masks no run can match)
-    model = transformers.LlamaForTokenClassification(config)
+    # (classifier_dropout: its default, 0.1, draws masks no two runs share)
+    model = transformers.LlamaForTokenClassification(_llama_config(num_labels=5, classifier_dropout=0.0))
 
     def tagged(n, seed):
         rows = _token_rows(n, seed)
