@@ -132,14 +132,16 @@ class PackedLM(MlpLM):
 class DropBlock(nn.Module):
     """Causal attention (q/k/v/o linears, 4 heads of 4, computed by hand) and an MLP, with
     dropout on the attention weights and on the MLP's hidden features (split over 'model'
-    under tensor parallelism: each process's heads, its features) and on the block's MLP
-    output (whole on every process). ``masks`` (the oracle's): the dropout masks to apply
-    instead, in call order."""
+    under tensor parallelism: each process's heads, its features) and, with ``out_drop``, on
+    the block's MLP output (whole on every process; without it, a checkpointed recomputation
+    of the block stops before its last linear). ``masks`` (the oracle's): the dropout masks
+    to apply instead, in call order."""
 
     P = 0.5
 
-    def __init__(self):
+    def __init__(self, out_drop: bool = True):
         super().__init__()
+        self.out_drop = out_drop
         self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
         self.fc1, self.fc2 = nn.Linear(DIM, INTER), nn.Linear(INTER, DIM)
         self.masks = None
@@ -159,21 +161,26 @@ class DropBlock(nn.Module):
         causal = torch.full((t, t), float("-inf")).triu(1)
         probs = torch.softmax(q @ k.transpose(-2, -1) / 2 + causal, dim=-1)
         h = x + self.o((self.drop(probs) @ v).transpose(1, 2).reshape(b, t, -1))
-        return h + self.drop(self.fc2(self.drop(F.gelu(self.fc1(h)))))
+        m = self.fc2(self.drop(F.gelu(self.fc1(h))))
+        return h + (self.drop(m) if self.out_drop else m)
 
 
 class DropLM(MlpLM):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([DropBlock(), DropBlock()])
+        self.blocks = nn.ModuleList([DropBlock(), DropBlock(out_drop=False)])
+
+    #: what each dropout call of a forward drops out, in order
+    KINDS = ("heads", "features", "whole", "heads", "features")
 
 
 def dropout_oracle(batch: int, masks: list):
-    """One device, one step, with the given dropout masks (each block's three, in call
-    order): the loss and the gradients."""
+    """One device, one step, with the given dropout masks (in call order, DropLM.KINDS):
+    the loss and the gradients."""
     model = build("drop")
-    for i, b in enumerate(model.blocks):
-        b.masks = list(masks[3 * i:3 * i + 3])
+    left = list(masks)
+    for b in model.blocks:
+        b.masks = left
     x, y = batches(batch)[0]
     loss = loss_of(model(x), y)
     loss.backward()

@@ -419,28 +419,30 @@ def test_dropout_inside_a_pair_draws_a_mask_per_split(dist, wrap, shape, batch):
     results = dist(math.prod(shape)).run(_dropout_run, shape, wrap, batch)
     by = {r["coord"]: r for r in results}
     data, split = shape
+    kinds = M.DropLM.KINDS
     for r in results:
-        assert len(r["forward"]) == 6  # per block: attention weights, MLP hidden (split), MLP output (whole)
+        assert len(r["forward"]) == len(kinds)
         assert r["loss"] == results[0]["loss"]
         if wrap == "checkpoint":  # (backward's gradients against the oracle check the recomputed masks too)
-            assert len(r["recomputed"]) >= 4
+            assert len(r["recomputed"]) >= 3
             assert all(any(torch.equal(a, b) for b in r["forward"]) for a in r["recomputed"])
-        for i in (1, 4):  # (the attention weights above the diagonal are zero, dropped or not)
-            assert 0.3 < r["forward"][i].float().mean() < 0.7
+        for i, kind in enumerate(kinds):  # (the attention weights above the diagonal are zero, dropped or not)
+            if kind == "features":
+                assert 0.3 < r["forward"][i].float().mean() < 0.7
     for d in range(data):
-        for i in range(6):
+        for i, kind in enumerate(kinds):
             parts = [by[(d, m)]["forward"][i] for m in range(split)]
-            if i % 3 == 2:  # the whole output: one mask on every process of these rows
+            if kind == "whole":  # one mask on every process of these rows
                 assert all(torch.equal(parts[0], q) for q in parts)
             else:  # each split its own mask (the code before gave every split the same)
                 assert not any(torch.equal(parts[0], q) for q in parts[1:]), (d, i)
     # every process's part, put together: heads on dim 1 (attention), features last (MLP)
     masks = []
-    for i in range(6):
+    for i, kind in enumerate(kinds):
         rows = []
         for d in range(data):
             parts = [by[(d, m)]["forward"][i] for m in range(split)]
-            rows.append(parts[0] if i % 3 == 2 else torch.cat(parts, dim=1 if i % 3 == 0 else -1))
+            rows.append(parts[0] if kind == "whole" else torch.cat(parts, dim=1 if kind == "heads" else -1))
         masks.append(torch.cat(rows, dim=0).float())
     loss, grads = run_clean(M.dropout_oracle, batch, masks)
     r0 = by[(0, 0)]
@@ -448,6 +450,54 @@ def test_dropout_inside_a_pair_draws_a_mask_per_split(dist, wrap, shape, batch):
     assert r0["grads"].keys() == grads.keys()
     for k in grads:
         torch.testing.assert_close(r0["grads"][k], grads[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"grad {k}: {m}")
+
+
+def _lora_dropout_run():
+    """M.DropLM with LoRA adapters (dropout 0.5) on a column-parallel linear of each pair
+    (q, fc1), split over 'model' at (1, 2): every dropout's mask and the adapters' gradients."""
+    import peft
+
+    mesh = ts.Mesh(np.arange(2), (1, 2), ("fsdp", "model"))
+    model = M.build("drop")
+    peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["q", "fc1"], lora_dropout=0.5), model)
+    for b in model.blocks:
+        for lin in (b.q.base_layer, b.k, b.v, b.fc1.base_layer, b.q.lora_B["default"], b.fc1.lora_B["default"]):
+            ts.mark_sharding(lin.weight, mesh, ("model", None))
+        ts.mark_sharding(b.fc1.base_layer.bias, mesh, ("model",))
+        for lin in (b.o, b.fc2):
+            ts.mark_sharding(lin.weight, mesh, (None, "model"))
+    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(
+        ts.transformer_auto_wrap_policy, transformer_layer_cls={M.DropBlock}))
+    calls, real = [], torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = real(x, p, training, inplace)
+        calls.append((out != 0).detach().clone())
+        return out
+
+    torch.nn.functional.dropout = recording
+    try:
+        x, y = M.batches(4)[0]
+        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+        M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec)).backward()
+    finally:
+        torch.nn.functional.dropout = real
+    return calls, {k: _local(p.grad).clone() for k, p in model.named_parameters() if "lora_A" in k}
+
+
+def test_lora_dropout_of_a_column_layers_whole_input_keeps_one_mask(dist):
+    """PEFT's LoRA on a column-parallel linear drops out the layer's whole input for its
+    ``lora_A`` after the base layer ran: that mask must be the same on every 'model' process
+    (lora_A is whole there), and the split stream starts after the adapter. With the stream
+    switched at the base layer, each process drew its own mask and lora_A's gradients
+    differed between the processes that hold it whole."""
+    (c0, g0), (c1, g1) = dist(2).run(_lora_dropout_run)
+    assert len(c0) == len(c1) == 9  # per block: q's adapter, heads, fc1's adapter, features (+ block 0's output)
+    for i, kind in enumerate(("whole", "heads", "whole", "features", "whole", "whole", "heads", "whole", "features")):
+        assert torch.equal(c0[i], c1[i]) == (kind == "whole"), (i, kind)
+    assert g0.keys() == g1.keys() and len(g0) == 4
+    for k in g0:
+        torch.testing.assert_close(g0[k], g1[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _attention_dropout_masks():

@@ -200,6 +200,8 @@ def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
     """The local compute of a wrapped module. Random operations on this process's rows
     (dropout) draw from the rows' own stream, not the one every process shares (see
     torchspmd/_rng.py); without a batch every process computes the same and shares it."""
+    if not in_local_compute():
+        _rng.discard_split_stream()
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
         if layout is None:

@@ -94,16 +94,21 @@ def shard_index(coordinate: list[int], sizes: list[int], dims: list[int]) -> int
 _SPLIT = threading.local()
 
 
-def enter_split_stream(index: int, device_type: str = "cpu") -> None:
+def enter_split_stream(index: int, device_type: str = "cpu", key: object = None) -> None:
     """From here to :func:`exit_split_stream`, random operations draw from a stream of
     split ``index`` alone (one number from the current stream, so the processes holding the
-    same rows advance it alike). Entering while in one does nothing (a pair's q, k and v
-    each enter)."""
+    same rows advance it alike). ``key`` names the pair: entering again for the same pair
+    does nothing (a pair's q, k and v each enter); a split stream of another pair still open
+    (its partner never ran, or a checkpointed recomputation stopped before it) is closed
+    first (:func:`close_split_stream`)."""
     if getattr(_SPLIT, "saved", None) is not None:
-        return
+        if _SPLIT.key == key:
+            return
+        close_split_stream()
     seed = shard_seed(index)
     cuda = _cuda_device(device_type)
     _SPLIT.saved = (torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+    _SPLIT.key = key
     torch.default_generator.manual_seed(seed)
     if cuda is not None:
         torch.cuda.manual_seed(seed)
@@ -115,7 +120,28 @@ def exit_split_stream() -> None:
     saved = getattr(_SPLIT, "saved", None)
     if saved is None:
         return
-    _SPLIT.saved = None
+    _SPLIT.saved = _SPLIT.key = None
     torch.set_rng_state(saved[0])
     if saved[1] is not None:
         torch.cuda.set_rng_state(saved[2], saved[1])
+
+
+def close_split_stream() -> None:
+    """End a split stream left open. In a forward: back to the stream it left (as
+    :func:`exit_split_stream`). In backward (autograd running: a checkpointed module's
+    recomputation, which ``torch.utils.checkpoint`` stops once it has what backward needs,
+    maybe before a pair's partner ran): forgotten, not restored — the random state it saved
+    is another recomputation's, and ``torch.utils.checkpoint`` sets and restores the state
+    around each recomputation itself."""
+    if getattr(_SPLIT, "saved", None) is None:
+        return
+    if torch._C._current_graph_task_id() != -1:
+        _SPLIT.saved = _SPLIT.key = None
+    else:
+        exit_split_stream()
+
+
+def discard_split_stream() -> None:
+    """Forget a split stream left open by a recomputation in an earlier backward (on the
+    CPU backward runs on this thread): a root forward starts from the shared stream as it is."""
+    _SPLIT.saved = _SPLIT.key = None

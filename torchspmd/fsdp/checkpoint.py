@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from torchspmd import _rng
 from torchspmd._delegate import on_xla
 from torchspmd._errors import SpmdError
 
 _CLASSES: dict[type, type] = {}
+
+
+def _run_forward(module: nn.Module, cls: type, *args, **kwargs):
+    """The checkpointed module's own forward (run in forward, and again in backward). A
+    tensor-parallel pair's random stream left open before it (by the recomputation of another
+    module, stopped once backward had what it needs, maybe before the pair's partner ran) is
+    closed first."""
+    _rng.close_split_stream()
+    return super(cls, module).forward(*args, **kwargs)
 
 
 def _checkpointed_class(cls: type) -> type:
@@ -16,7 +28,7 @@ def _checkpointed_class(cls: type) -> type:
 
         def forward(self, *args, **kwargs):
             return torch.utils.checkpoint.checkpoint(
-                super(new_cls, self).forward, *args, use_reentrant=False, **kwargs
+                functools.partial(_run_forward, self, new_cls), *args, use_reentrant=False, **kwargs
             )
 
         new_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_torchspmd_checkpointed": True})

@@ -187,6 +187,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     paired_col: set = set()
     paired_row: set = set()
     pair_ends: set = set()  # the row-parallel partners as their parents see them (a linear, or its adapter)
+    pair_starts: dict = {}  # the column-parallel ones (as their parents see them) -> their partner
     for owner, style in styles.items():
         if style != COL or not isinstance(owner, nn.Linear) or getattr(owner, "_torchspmd_tp_gather", False):
             continue
@@ -215,6 +216,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
                 if partner is not owner else []
             paired_row.update(rows or [partner])
             pair_ends.add(partner)
+            pair_starts.setdefault(at, partner)
             _check_even(fqn, owner, up, linear(partner), n, axis_name)
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -247,8 +249,8 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
             plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
         parallelize_module(owner, tp_mesh, plan)
         owner._torchspmd_tp = (axis_name, style, owner in paired_col or owner in paired_row)
-        if owner in paired_col:
-            owner.register_forward_hook(_enter_split(tp_mesh))
+    for start, partner in pair_starts.items():
+        start.register_forward_hook(_enter_split(tp_mesh, partner))
     for partner in pair_ends:
         partner.register_forward_hook(_exit_split)
     for owner, name, first, first_name in ties:
@@ -335,27 +337,29 @@ def _split_stream_allowed() -> bool:
     return in_local_compute() or torch._C._current_graph_task_id() != -1
 
 
-def _enter_split(tp_mesh):
-    """A paired column-parallel linear's forward hook: random operations from its output on
-    (dropout of attention weights or of the MLP's hidden features, each process's own heads or
-    features of the same rows) draw from this process's split of the rows' stream, not the one
-    every process along the axis shares (which would give every split the same mask)."""
-    index, device_type = tp_mesh.get_local_rank(), tp_mesh.device_type
+def _enter_split(tp_mesh, partner: nn.Module):
+    """A paired column-parallel linear's forward hook (the linear's, or its adapter's: PEFT's
+    LoRA drops out the whole input of its ``lora_A`` after the base layer ran, and that mask
+    must be the same on every process): random operations from its output on (dropout of
+    attention weights or of the MLP's hidden features, each process's own heads or features
+    of the same rows) draw from this process's split of the rows' stream, not the one every
+    process along the axis shares (which would give every split the same mask)."""
+    index, device_type, key = tp_mesh.get_local_rank(), tp_mesh.device_type, id(partner)
 
     def hook(module, args, output):
         if module.training and _split_stream_allowed():
-            _rng.enter_split_stream(index, device_type)
+            _rng.enter_split_stream(index, device_type, key)
 
     return hook
 
 
 @contextlib.contextmanager
-def _split_stream(tp_mesh, p: float):
+def _split_stream(tp_mesh, p: float):  # (the key: any object no pair uses)
     """The attention dropout of this process's heads, from its split of the rows' stream."""
     if not p:
         yield
         return
-    _rng.enter_split_stream(tp_mesh.get_local_rank(), tp_mesh.device_type)
+    _rng.enter_split_stream(tp_mesh.get_local_rank(), tp_mesh.device_type, key=tp_mesh)
     try:
         yield
     finally:
