@@ -123,6 +123,12 @@ def _warn_left_out(rows: int, devices: int) -> None:
                   f"a row; it is left out")
 
 
+#: Token classifiers whose own loss counts only some of the labelled tokens (where the
+#: attention mask is 1, or Bros's first token of each box): their loss stays the model's.
+_OWN_TOKEN_LOSS = frozenset({"BioGptForTokenClassification", "MraForTokenClassification",
+                             "XLMRobertaXLForTokenClassification", "YosoForTokenClassification",
+                             "BrosForTokenClassification"})
+
 ADDED_ROWS_KEY = "_torchspmd_added_rows"  # (in a collated evaluation batch: how many rows were added)
 
 
@@ -182,12 +188,14 @@ class _GlobalCollate:
 
 
 def _rows_of(batch, rows: int, start: int, end: int, copies: int) -> dict:
-    """Rows ``start:end`` of a collated batch (its tensors with ``rows`` rows; other values
-    as they are), ``copies`` times over."""
+    """Rows ``start:end`` of a collated batch (its tensors and lists with ``rows`` rows; other
+    values as they are), ``copies`` times over."""
     def take(v):
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
             part = v[start:end]
             return part.repeat(copies, *([1] * (v.dim() - 1))) if copies > 1 else part.clone()
+        if isinstance(v, (list, tuple)) and len(v) == rows:
+            return type(v)(list(v[start:end]) * copies)
         return v
 
     return {k: take(v) for k, v in batch.items()}
@@ -354,11 +362,15 @@ class Trainer(_StockTrainer):
         name = type(_unwrap_peft(model)).__name__
         self._spmd_causal_lm = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
         # A masked LM's or token classifier's own loss is the mean cross-entropy over its
-        # labelled tokens: computed here from the global logits, as a causal LM's (not shifted)
-        # (not an encoder-decoder model of those classes, BART's: its labels make its decoder's input)
+        # labelled tokens: computed here from the global logits, as a causal LM's (not shifted).
+        # Not an encoder-decoder model of those classes (BART: its labels make its decoder's
+        # input), one that computes logits at the labelled tokens only (ModernBERT's
+        # sparse_prediction), nor those counting only some labelled tokens (_OWN_TOKEN_LOSS).
+        config = getattr(model, "config", None)
         self._spmd_token_labels = not self._spmd_causal_lm and name in (
             set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) | set(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
-        ) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        ) and name not in _OWN_TOKEN_LOSS and not getattr(config, "is_encoder_decoder", False) \
+            and not getattr(config, "sparse_prediction", False)
         if not self._spmd_causal_lm:
             # The model's own loss is then a mean over this process's rows, made global as the
             # row-weighted mean: it must not be a sum divided by a global token count.
@@ -521,8 +533,8 @@ class Trainer(_StockTrainer):
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         # (label_smoothing_factor too: transformers' LabelSmoother gives a wrong value on the
         # global DTensors, so the loss below smooths the labels itself)
-        token_labels = self._spmd and self._spmd_token_labels and "labels" in inputs and not (
-            inputs["labels"].is_floating_point() or any(k != "labels" and k.endswith("labels") for k in inputs))
+        token_labels = self._spmd and self._spmd_token_labels and isinstance(inputs.get("labels"), torch.Tensor) \
+            and not (inputs["labels"].is_floating_point() or any(k != "labels" and k.endswith("labels") for k in inputs))
         if not (self._spmd and (self._spmd_causal_lm or token_labels) and "labels" in inputs
                 and self.compute_loss_func is None):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
