@@ -129,27 +129,40 @@ class PackedLM(MlpLM):
         self.blocks = nn.ModuleList([PackedBlock(), PackedBlock()])
 
 
-class DropBlock(nn.Module):
-    """Causal attention (q/k/v/o linears, 4 heads of 4, computed by hand) and an MLP, with
-    dropout on the attention weights and on the MLP's hidden features (split over 'model'
-    under tensor parallelism: each process's heads, its features) and, with ``out_drop``, on
-    the block's MLP output (whole on every process; without it, a checkpointed recomputation
-    of the block stops before its last linear). ``masks`` (the oracle's): the dropout masks
-    to apply instead, in call order."""
+class Dropping(nn.Module):
+    """Dropout of probability 0.5 after ``fn``, or (``masks``, the oracle's) the given masks,
+    in call order."""
 
     P = 0.5
+
+    def __init__(self, fn=None):
+        super().__init__()
+        self.fn = fn
+        self.masks = None
+
+    def forward(self, x):
+        if self.fn is not None:
+            x = self.fn(x)
+        if self.masks is None:
+            return F.dropout(x, self.P, training=self.training)
+        return x * self.masks.pop(0) * (1 / (1 - self.P))
+
+
+class DropBlock(nn.Module):
+    """Causal attention (q/k/v linears in a ModuleDict, o, 4 heads of 4, computed by hand)
+    and an MLP, with dropout on the attention weights and on the MLP's hidden features (in a
+    module of its own, with the GELU: split over 'model' under tensor parallelism, each
+    process's heads, its features) and, with ``out_drop``, on the block's MLP output (whole on
+    every process; without it, a checkpointed recomputation of the block stops before its
+    last linear)."""
 
     def __init__(self, out_drop: bool = True):
         super().__init__()
         self.out_drop = out_drop
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.qkv = nn.ModuleDict({n: nn.Linear(DIM, DIM, bias=False) for n in "qkv"})
+        self.o = nn.Linear(DIM, DIM, bias=False)
         self.fc1, self.fc2 = nn.Linear(DIM, INTER), nn.Linear(INTER, DIM)
-        self.masks = None
-
-    def drop(self, x):
-        if self.masks is None:
-            return F.dropout(x, self.P, training=self.training)
-        return x * self.masks.pop(0) * (1 / (1 - self.P))
+        self.drop, self.act = Dropping(), Dropping(F.gelu)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -157,11 +170,11 @@ class DropBlock(nn.Module):
         def heads(y):
             return y.view(b, t, -1, 4).transpose(1, 2)
 
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k, v = (heads(self.qkv[n](x)) for n in "qkv")
         causal = torch.full((t, t), float("-inf")).triu(1)
         probs = torch.softmax(q @ k.transpose(-2, -1) / 2 + causal, dim=-1)
         h = x + self.o((self.drop(probs) @ v).transpose(1, 2).reshape(b, t, -1))
-        m = self.fc2(self.drop(F.gelu(self.fc1(h))))
+        m = self.fc2(self.act(self.fc1(h)))
         return h + (self.drop(m) if self.out_drop else m)
 
 
@@ -180,7 +193,7 @@ def dropout_oracle(batch: int, masks: list):
     model = build("drop")
     left = list(masks)
     for b in model.blocks:
-        b.masks = left
+        b.drop.masks = b.act.masks = left
     x, y = batches(batch)[0]
     loss = loss_of(model(x), y)
     loss.backward()

@@ -375,7 +375,7 @@ def _dropout_run(shape, wrap, batch):
     mesh = ts.Mesh(np.arange(n), shape, ("fsdp", "model"))
     model = M.build("drop")
     for b in model.blocks:
-        for lin in (b.q, b.k, b.v, b.fc1):
+        for lin in (*b.qkv.values(), b.fc1):
             ts.mark_sharding(lin.weight, mesh, ("model", None))
         ts.mark_sharding(b.fc1.bias, mesh, ("model",))
         for lin in (b.o, b.fc2):
@@ -383,7 +383,10 @@ def _dropout_run(shape, wrap, batch):
     policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={M.DropBlock})
     if wrap == "fsdp":
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
-    else:  # nested units, each checkpointed: backward recomputes the forward, dropout included
+    else:  # nested units, each checkpointed, and inside each the MLP's activation and dropout:
+        # backward recomputes the forward, dropout included
+        for b in model.blocks:
+            ts.checkpoint_module(b.act)
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy,
                           auto_wrapper_callable=lambda m, *a, **k: ts.FSDPv2(ts.checkpoint_module(m), *a, **k))
     calls, real = [], torch.nn.functional.dropout
@@ -461,7 +464,9 @@ def _lora_dropout_run():
     model = M.build("drop")
     peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["q", "fc1"], lora_dropout=0.5), model)
     for b in model.blocks:
-        for lin in (b.q.base_layer, b.k, b.v, b.fc1.base_layer, b.q.lora_B["default"], b.fc1.lora_B["default"]):
+        q = b.qkv["q"]
+        for lin in (q.base_layer, b.qkv["k"], b.qkv["v"], b.fc1.base_layer, q.lora_B["default"],
+                    b.fc1.lora_B["default"]):
             ts.mark_sharding(lin.weight, mesh, ("model", None))
         ts.mark_sharding(b.fc1.base_layer.bias, mesh, ("model",))
         for lin in (b.o, b.fc2):

@@ -114,11 +114,11 @@ def enter_split_stream(index: int, device_type: str = "cpu", key: object = None)
         torch.cuda.manual_seed(seed)
 
 
-def exit_split_stream() -> None:
+def exit_split_stream(key: object = None) -> None:
     """Back to the stream :func:`enter_split_stream` left, as its one draw left it (nothing
-    when not in a split stream)."""
+    when not in a split stream, or, given ``key``, in another pair's)."""
     saved = getattr(_SPLIT, "saved", None)
-    if saved is None:
+    if saved is None or (key is not None and _SPLIT.key != key):
         return
     _SPLIT.saved = _SPLIT.key = None
     torch.set_rng_state(saved[0])
@@ -143,5 +143,22 @@ def close_split_stream() -> None:
 
 def discard_split_stream() -> None:
     """Forget a split stream left open by a recomputation in an earlier backward (on the
-    CPU backward runs on this thread): a root forward starts from the shared stream as it is."""
+    CPU backward runs on this thread): a root forward, or the outermost recomputation of a
+    checkpointed module, starts from the random state as it is."""
     _SPLIT.saved = _SPLIT.key = None
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Around a checkpointed module's forward: when it is the outermost one recomputed in
+    backward, a split stream still open is another recomputation's (stopped early) and is
+    forgotten first. In a forward, and nested, nothing changes (a module between a pair's
+    linears draws from the pair's split stream, in its forward as in its recomputation)."""
+    depth = getattr(_SPLIT, "depth", 0)
+    if depth == 0 and torch._C._current_graph_task_id() != -1:
+        discard_split_stream()
+    _SPLIT.depth = depth + 1
+    try:
+        yield
+    finally:
+        _SPLIT.depth = depth

@@ -15,12 +15,12 @@ _CLASSES: dict[type, type] = {}
 
 
 def _run_forward(module: nn.Module, cls: type, *args, **kwargs):
-    """The checkpointed module's own forward (run in forward, and again in backward). A
-    tensor-parallel pair's random stream left open before it (by the recomputation of another
-    module, stopped once backward had what it needs, maybe before the pair's partner ran) is
-    closed first."""
-    _rng.close_split_stream()
-    return super(cls, module).forward(*args, **kwargs)
+    """The checkpointed module's own forward (run in forward, and again in backward). Its
+    outermost recomputation forgets a tensor-parallel pair's random stream left open by the
+    recomputation of another module (stopped once backward had what it needs, maybe before
+    the pair's partner ran): ``_rng.recomputing``."""
+    with _rng.recomputing():
+        return super(cls, module).forward(*args, **kwargs)
 
 
 def _checkpointed_class(cls: type) -> type:

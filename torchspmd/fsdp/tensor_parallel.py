@@ -177,6 +177,16 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     def linear(m: nn.Module) -> nn.Linear:
         return m if isinstance(m, nn.Linear) else m.base_layer
 
+    def adapter_of(m: nn.Module) -> nn.Module:
+        """The outermost adapter wrapping linear ``m`` (through its ModuleDicts), else ``m``:
+        what runs last of the layer (never a ModuleDict, which is not called)."""
+        outer = cur = m
+        while cur in parent and (isinstance(parent[cur], nn.ModuleDict) or _is_adapter(parent[cur])):
+            cur = parent[cur]
+            if _is_adapter(cur):
+                outer = cur
+        return outer
+
     def normed_whole(col: nn.Linear, after: list) -> bool:
         """A module declared after the column with a weight over its whole output (OLMo2's
         ``q_norm`` over all heads, not per head): a norm over every feature, which a process's
@@ -216,7 +226,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
                 if partner is not owner else []
             paired_row.update(rows or [partner])
             pair_ends.add(partner)
-            pair_starts.setdefault(at, partner)
+            pair_starts.setdefault(adapter_of(owner), partner)
             _check_even(fqn, owner, up, linear(partner), n, axis_name)
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -252,7 +262,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     for start, partner in pair_starts.items():
         start.register_forward_hook(_enter_split(tp_mesh, partner))
     for partner in pair_ends:
-        partner.register_forward_hook(_exit_split)
+        partner.register_forward_hook(_exit_split(partner))
     for owner, name, first, first_name in ties:
         kept, made = first._parameters[first_name], owner._parameters[name]
         if tuple(kept.placements) != tuple(made.placements):
@@ -363,14 +373,19 @@ def _split_stream(tp_mesh, p: float):  # (the key: any object no pair uses)
     try:
         yield
     finally:
-        _rng.exit_split_stream()
+        _rng.exit_split_stream(tp_mesh)
 
 
-def _exit_split(module, args, output):
+def _exit_split(partner: nn.Module):
     """A row-parallel partner's forward hook (the linear's, or its adapter's: PEFT's LoRA
     drops out the split input of its ``lora_A`` after the base layer ran): back to the rows'
     stream, its output being the same on every process along the axis."""
-    _rng.exit_split_stream()
+    key = id(partner)
+
+    def hook(module, args, output):
+        _rng.exit_split_stream(key)
+
+    return hook
 
 
 def _attention_of(owner: nn.Module, parent: dict):

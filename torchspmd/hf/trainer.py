@@ -194,7 +194,7 @@ def _rows_of(batch, rows: int, start: int, end: int, copies: int) -> dict:
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
             part = v[start:end]
             return part.repeat(copies, *([1] * (v.dim() - 1))) if copies > 1 else part.clone()
-        if isinstance(v, (list, tuple)) and len(v) == rows:
+        if type(v) in (list, tuple) and len(v) == rows:
             return type(v)(list(v[start:end]) * copies)
         return v
 
