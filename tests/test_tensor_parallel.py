@@ -6,6 +6,7 @@ first-step gradients and its final parameters (fp32: rtol 1e-5, atol 1e-6). The 
 (37) splits unevenly over 'model'; batches of 5 and 7 rows split unevenly over the data axes.
 """
 
+import contextlib
 import functools
 import math
 import warnings
@@ -368,6 +369,24 @@ def test_dropout_of_a_row_parallel_output(dist):
         torch.testing.assert_close(out[kept], 2 * y[kept], rtol=RTOL, atol=ATOL)
 
 
+@contextlib.contextmanager
+def _dropout_masks():
+    """Every ``F.dropout`` call's mask meanwhile (this process's part), and whether autograd
+    was running (a checkpointed module's recomputation): a list of ``(again, mask)``."""
+    calls, real = [], torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = real(x, p, training, inplace)
+        calls.append((torch._C._current_graph_task_id() != -1, (_local(out) != 0).detach().clone()))
+        return out
+
+    torch.nn.functional.dropout = recording
+    try:
+        yield calls
+    finally:
+        torch.nn.functional.dropout = real
+
+
 def _dropout_run(shape, wrap, batch):
     """One FSDPv2 step of M.DropLM split over 'model', recording every dropout's mask (this
     process's part) and whether autograd was recomputing (a checkpointed unit) when drawn."""
@@ -389,22 +408,11 @@ def _dropout_run(shape, wrap, batch):
             ts.checkpoint_module(b.act)
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy,
                           auto_wrapper_callable=lambda m, *a, **k: ts.FSDPv2(ts.checkpoint_module(m), *a, **k))
-    calls, real = [], torch.nn.functional.dropout
-
-    def recording(x, p=0.5, training=True, inplace=False):
-        out = real(x, p, training, inplace)
-        calls.append((torch._C._current_graph_task_id() != -1, (_local(out) != 0).detach().clone()))
-        return out
-
-    torch.nn.functional.dropout = recording
-    try:
-        x, y = M.batches(batch)[0]
-        spec = ts.ShardingSpec(mesh, ("fsdp", None))
-        with ts.step():
-            loss = M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
-            loss.backward()
-    finally:
-        torch.nn.functional.dropout = real
+    x, y = M.batches(batch)[0]
+    spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    with _dropout_masks() as calls, ts.step():
+        loss = M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
+        loss.backward()
     return dict(loss=loss.item(), grads={k: _full(p.grad) for k, p in model.named_parameters()},
                 forward=[m for again, m in calls if not again], recomputed=[m for again, m in calls if again],
                 coord=tuple(mesh.device_mesh.get_coordinate()))
@@ -473,21 +481,11 @@ def _lora_dropout_run():
             ts.mark_sharding(lin.weight, mesh, (None, "model"))
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(
         ts.transformer_auto_wrap_policy, transformer_layer_cls={M.DropBlock}))
-    calls, real = [], torch.nn.functional.dropout
-
-    def recording(x, p=0.5, training=True, inplace=False):
-        out = real(x, p, training, inplace)
-        calls.append((out != 0).detach().clone())
-        return out
-
-    torch.nn.functional.dropout = recording
-    try:
-        x, y = M.batches(4)[0]
-        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    x, y = M.batches(4)[0]
+    spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    with _dropout_masks() as calls:
         M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec)).backward()
-    finally:
-        torch.nn.functional.dropout = real
-    return calls, {k: _local(p.grad).clone() for k, p in model.named_parameters() if "lora_A" in k}
+    return [m for _, m in calls], {k: _local(p.grad).clone() for k, p in model.named_parameters() if "lora_A" in k}
 
 
 def test_lora_dropout_of_a_column_layers_whole_input_keeps_one_mask(dist):
@@ -513,21 +511,11 @@ def _attention_dropout_masks():
     _annotate_attn(model, mesh)
     model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(
         ts.transformer_auto_wrap_policy, transformer_layer_cls={M.AttnBlock}))
-    masks, real = [], torch.nn.functional.dropout
-
-    def recording(x, p=0.5, training=True, inplace=False):
-        out = real(x, p, training, inplace)
-        masks.append((out != 0).detach().clone())
-        return out
-
-    torch.nn.functional.dropout = recording
-    try:
-        x, y = M.batches(4)[0]
-        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    x, y = M.batches(4)[0]
+    spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    with _dropout_masks() as calls:
         loss = M.loss_of(model(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
-    finally:
-        torch.nn.functional.dropout = real
-    return masks, loss.item()
+    return [m for _, m in calls], loss.item()
 
 
 def test_attention_dropout_of_split_heads_draws_a_mask_per_split(dist):
