@@ -42,3 +42,33 @@ def test_trainer_evaluates_trains_and_saves_on_xla(ts, tmp_path):
     full = ts.full_state_dict(trainer.model)
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, full[name], rtol=0, atol=0)
+
+
+def test_trainer_on_xla_with_hub_kernels(ts, tmp_path):
+    """transformers 5.25 with kernels >= 0.19.1 kernelizes a model at from_pretrained and again at
+    every train()/eval(); kernels refuses the 'xla' device type, so the trainer's model.train()
+    on the XLA device failed. The trainer undoes the kernelization before moving the model."""
+    from importlib.metadata import version
+
+    from datasets import Dataset
+    from packaging.version import Version
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from torchspmd.hf import Trainer, fsdp_v2
+
+    assert Version(version("kernels")) >= Version("0.19.1"), "the environment must have the kernels release at issue"
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    assert model.use_kernels  # transformers turned kernels on: the failure's precondition
+    ids = np.random.default_rng(0).integers(0, 64, size=(8, 12)).tolist()
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=1,
+                             report_to=[], save_strategy="no", disable_tqdm=True,
+                             **fsdp_v2.get_fsdp_training_args(model))
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}))
+    assert not model.use_kernels
+    assert np.isfinite(trainer.train().training_loss)  # (wraps the model, moves it to the XLA device, train())
+    assert next(trainer.model.parameters()).device.type == "xla"
+    trainer.model.eval()
+    trainer.model.train()

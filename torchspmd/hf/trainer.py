@@ -267,6 +267,20 @@ def _gather_global(data: Any, *args, **kwargs) -> Any:
     return _plain(data)
 
 
+def _without_hub_kernels(model) -> None:
+    """transformers (5.25 with ``kernels`` >= 0.19.1) kernelizes a model at
+    ``from_pretrained`` and again whenever ``train()``/``eval()`` changes its mode, for the
+    model's device type; the ``kernels`` library refuses the ``'xla'`` device type, so the
+    trainer's first ``model.train()`` on an XLA device raised. Every transformers model in
+    the tree gets its kernelization undone (``set_use_kernels(False)``: the torch forward of
+    each kernel layer) while it is still where it was loaded, before the trainer moves it."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) and callable(getattr(module, "set_use_kernels", None)):
+            module.set_use_kernels(False)
+
+
 # -- the trainer -------------------------------------------------------------------------
 class Trainer(_StockTrainer):
     """``transformers.Trainer`` training with torchspmd FSDPv2 when the training arguments
@@ -297,11 +311,12 @@ class Trainer(_StockTrainer):
             if config.get("xla_fsdp_grad_ckpt") and args.gradient_checkpointing:
                 args.gradient_checkpointing = False  # checkpoint_module does it, once per layer
             self._spmd_fsdp_config = config
-        elif args is not None and runtime.is_spmd() and runtime.backend() == "xla" \
-                and getattr(args.optim, "value", args.optim) == "adamw_torch_fused":
-            # transformers' default optimizer: fused AdamW runs on CUDA/CPU only, not on XLA devices
-            args = copy.copy(args)
-            args.optim = type(args.optim)("adamw_torch")
+        elif args is not None and runtime.is_spmd() and runtime.backend() == "xla":
+            if getattr(args.optim, "value", args.optim) == "adamw_torch_fused":
+                # transformers' default optimizer: fused AdamW runs on CUDA/CPU only, not on XLA devices
+                args = copy.copy(args)
+                args.optim = type(args.optim)("adamw_torch")
+            _without_hub_kernels(model)
         super().__init__(model, args, *pargs, **kwargs)
         if self._spmd:
             self._spmd_wrap()
