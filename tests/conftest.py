@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-# tests/xla/ runs in the torch_xla environment (see .ci/xla_env and the README's test command).
+# tests/xla/ runs in the torch_xla environment (see .ci/envs.py and the README's test command).
 collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -144,6 +144,7 @@ CASES = [
 ]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("variant,world,batch", CASES)
 def test_matches_single_process(dist, variant, world, batch):
     ref_losses, ref_state = _oracle(batch)

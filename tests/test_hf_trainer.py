@@ -115,6 +115,7 @@ def lm_oracle(tmp_path_factory):
     return run_clean(_train_lm, str(tmp_path_factory.mktemp("oracle")), False)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainer_shards_and_matches_one_process(dist, tmp_path, lm_oracle, world):
     results = dist(world).run(_train_lm, str(tmp_path), True)

@@ -156,6 +156,7 @@ CASES = [
 ]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("wrap,shape,style,batch", CASES)
 def test_tensor_parallel_matches_one_device(dist, wrap, shape, style, batch):
     world = math.prod(shape)

@@ -162,6 +162,7 @@ print(json.dumps(losses))
 """
 
 
+@pytest.mark.smoke
 def test_job_equals_one_process(work, corpus, base):
     weights = work / "one_process.pt"
     args = dict(corpus=str(corpus), eos=EOS, seq=SEQ, batch=BATCH, dim=DIM, layers=LAYERS, heads=HEADS, mlp=MLP,

@@ -32,8 +32,8 @@ def _params(stdout: str) -> dict:
 
 
 def _compat(program, world, *args, cwd=None, **env):
-    r = subprocess.run([str(ROOT / ".venv" / "bin" / "torchspmd") if (ROOT / ".venv" / "bin" / "torchspmd").exists()
-                        else "torchspmd", "run", "--xla-compat", "--nproc", str(world), str(program), *map(str, args)],
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--xla-compat", "--nproc", str(world),
+                        str(program), *map(str, args)],
                        capture_output=True, text=True, env=clean_env(OMP_NUM_THREADS=1, **env), timeout=TIMEOUT,
                        cwd=cwd or HERE)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -62,6 +62,7 @@ def seed_oracle(once):
     return lambda program: once(f"oracle-{program}", lambda _: _oracle(program))[1]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("program", ["pattern1", "pattern3", "pattern4"])
 def test_seed_patterns_give_one_devices_losses(program, world, seed_oracle):

@@ -1,7 +1,7 @@
 """The XLA backend's tests: run in the torch_xla environment, on 4 CPU devices of one
 process (torch_xla's PJRT CPU client), e.g.
 
-    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 PYTHONPATH=. $(bash .ci/xla_env) -m pytest tests/xla
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 PYTHONPATH=$PWD $(python3 .ci/envs.py python xla) -m pytest tests/xla
 
 Everything in this process shares one XLA runtime in SPMD mode."""
 
