@@ -53,9 +53,9 @@ def seed_fsdpv2(steps: int):
 
     import numpy as np
     import torch
+    from suite import BATCH, SEED, _data
 
     import torchspmd as ts
-    from suite import BATCH, SEED, _data
     from torchspmd.models import DecoderLayer, DecoderModel
 
     ts.use_spmd()
@@ -201,7 +201,7 @@ def run_worker(script: str, args: list[str], nproc: int, result: Path, env: dict
     (``PeakMemory``; the launcher included). Every run gets the malloc settings
     ``torchspmd run`` gives its workers (one process too, so that every strategy runs on
     the same allocator). ``env``: variables to add for this run."""
-    from torchspmd._launch import _allocator_env
+    from torchspmd.engines.native.host import allocator_env as _allocator_env
 
     cores = os.cpu_count() or 1
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)), **(env or {}))

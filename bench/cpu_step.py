@@ -36,7 +36,6 @@ def worker(result: str, steps: int = 10, warmup: int = 3) -> None:
 
     import torch.distributed as dist
     import torch.nn.functional as F
-
     from _common import seed_fsdpv2
     from suite import BATCH, SEED, SEQ
 

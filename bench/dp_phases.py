@@ -30,12 +30,12 @@ STRATEGIES = ("ddp", "replicate", "pattern1")
 
 
 def worker(strategy: str, result: str, steps: int = 40, warmup: int = 5) -> None:
+    import data_parallel as dp
     import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import data_parallel as dp
     from torchspmd.models import DecoderModel
 
     torch.manual_seed(0)

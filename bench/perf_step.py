@@ -51,7 +51,6 @@ KINDS = (
 def worker(result: str, ctl: str, steps: int, warmup: int) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
-
     from _common import seed_fsdpv2
     from suite import BATCH, SEED, SEQ
 
@@ -97,7 +96,7 @@ def _samples(data: Path) -> dict[str, int]:
 
 
 def run(n: int, a, tmp: Path) -> dict:
-    from torchspmd._launch import _allocator_env
+    from torchspmd.engines.native.host import allocator_env as _allocator_env
 
     ctl, data, result = tmp / f"ctl{n}", tmp / f"perf{n}.data", tmp / f"result{n}.json"
     for p in (ctl, data, result):

@@ -61,10 +61,10 @@ def worker(steps: int, warmup: int, result: str) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
+    from suite import BATCH, SEQ, _build, _data
     from torch.profiler import ProfilerActivity, profile
 
     import torchspmd as ts
-    from suite import BATCH, SEQ, _build, _data
 
     ts.use_spmd()
     n = ts.global_runtime_device_count()

@@ -81,7 +81,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _common import CpuUse, per_process_loader, run_measured, run_worker, timed_steps, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    CpuUse,
+    per_process_loader,
+    run_measured,
+    run_worker,
+    timed_steps,
+    write_result,
+)
 
 SEED = dict(vocab_size=3200, dim=1024, num_layers=8, num_heads=8, intermediate_size=4096, max_seq_len=64)
 SMALL = dict(vocab_size=3200, dim=384, num_layers=4, num_heads=6, intermediate_size=1536, max_seq_len=64)
@@ -265,7 +272,11 @@ def worker_2d(strategy: str, steps: int, warmup: int, result: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -408,7 +419,9 @@ def xla_worker(model_name: str, size: str, steps: int, warmup: int, result: str,
     import torch_xla.distributed.spmd as xs
     import torch_xla.runtime as xr
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel as FSDPv2,
+    )
 
     xr.use_spmd()
     model, layer_cls, vocab = _build(model_name, size, _xla_attn(dtype))
@@ -483,7 +496,7 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
 
 def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
              api: str = "xla", dtype: str = "fp32") -> dict | None:
-    from torchspmd._launch import _allocator_env
+    from torchspmd.engines.native.host import allocator_env as _allocator_env
 
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))

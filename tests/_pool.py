@@ -11,13 +11,13 @@ fails its test and the pool is started again for the next one. Each task's chang
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 import os
 import queue
 import signal
 import socket
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 
 def _free_port() -> int:

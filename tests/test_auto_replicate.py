@@ -3,6 +3,7 @@ computes locally with DDP's reducer once its forward is found row-local, and sta
 exact. The oracle is the same program in this (plain PyTorch) process."""
 
 import os
+
 import numpy as np
 import pytest
 import torch
@@ -219,7 +220,8 @@ def _optimizer_steps(spmd: bool):
     """An Adam step on plain parameters, a step with a closure, a step that raises; with
     spmd, count the global-view mode's calls during each and report whether it is still
     the innermost mode after the failed step."""
-    from torchspmd import _global_view as gv
+    from torchspmd.engines.native import global_mode
+    from torchspmd.engines.native import implicit_replication as gv
 
     torch.manual_seed(0)
     model = Net()
@@ -264,7 +266,7 @@ def _optimizer_steps(spmd: bool):
         except RuntimeError:
             pass
         innermost = torch.overrides._get_current_function_mode()
-        mode_kept = innermost is gv._MODE
+        mode_kept = innermost is global_mode.mode()
         loss_after = F.cross_entropy(model(x), y).item()
     finally:
         gv._ReplicateUnannotated.__torch_function__ = original
@@ -311,7 +313,7 @@ def _ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     if not spmd or host_group:
         return _ignored_steps(model, loader, opt, ignore_index, change_in_place, item_first)
-    from torchspmd import _early
+    from torchspmd.engines.native import early_reductions as _early
 
     host_collectives = _early._host_collectives
     _early._host_collectives = lambda: False  # as with a default group of NCCL alone: no sums on the host
@@ -394,7 +396,7 @@ def _hooks_during_local_calls(fail: bool):
 
     from torch.nn.modules import module as m
 
-    rp = importlib.import_module("torchspmd.replicate")  # (the package's `replicate` is the function)
+    rp = importlib.import_module("torchspmd.engines.native.data_parallel")
 
     torch.manual_seed(0)
     model = _decoder()

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
-from _helpers import same_on_every_rank
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5
@@ -100,6 +100,7 @@ def _save_load_continue(root: str, case: str, into: str):
     into the same ones after a step past the save point (``trained``: the load takes that
     step back, the optimizer state included); train on from there."""
     from torchspmd import checkpoint as ckpt
+    from torchspmd import checkpoint_files as files
 
     make_opt, save_at, unused = CASES[case]
     batches = _batches()
@@ -158,6 +159,7 @@ def _load_mismatched(root: str, saved: str, loaded: str):
     so that it has optimizer state); return the error, its type and whether the model and
     optimizer being loaded into are unchanged."""
     from torchspmd import checkpoint as ckpt
+    from torchspmd import checkpoint_files as files
 
     def make(kind: str, seed: int):
         torch.manual_seed(seed)
@@ -225,6 +227,7 @@ def _save_fails(root: str, where: str):
     import torch.distributed.checkpoint as dcp
 
     from torchspmd import checkpoint as ckpt
+    from torchspmd import checkpoint_files as files
 
     model = _wrapped(False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -234,9 +237,9 @@ def _save_fails(root: str, where: str):
     saved = ts.full_state_dict(model, rank0_only=False)
     _step(model, opt, x, y)
     rank = dist.get_rank()
-    real_write, real_write_data = ckpt._write_synced, dcp.FileSystemWriter.write_data
+    real_write, real_write_data = files.write_synced, dcp.FileSystemWriter.write_data
     if where == "state.pt on rank 0" and rank == 0:  # rank 0's disk fills up as it writes state.pt
-        ckpt._write_synced = _no_space
+        files.write_synced = _no_space
     if where == "shards on rank 1" and rank == 1:  # DCP's writer fails on rank 1 only
         dcp.FileSystemWriter.write_data = _no_space
     try:
@@ -247,7 +250,7 @@ def _save_fails(root: str, where: str):
     except BaseException as e:  # DCP's CheckpointException is one
         error = (type(e).__name__, str(e).replace(root, "ROOT"), False)
     finally:  # (the pool's processes run the next tests)
-        ckpt._write_synced, dcp.FileSystemWriter.write_data = real_write, real_write_data
+        files.write_synced, dcp.FileSystemWriter.write_data = real_write, real_write_data
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, rank)  # out of step, it would pair with another collective or hang
     left = sorted(os.listdir(root))
@@ -284,25 +287,26 @@ def _hash_fails_on_rank1(root):
     import torch.distributed as dist
 
     from torchspmd import checkpoint as ckpt
+    from torchspmd import checkpoint_files as files
 
     model = _wrapped(False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _step(model, opt, *_batches()[0])
     path = ckpt.save(root, 1, model, opt, {"step": 1}, "")
-    real = ckpt._sha256
+    real = files.sha256
 
     def unreadable(f):
         raise OSError(errno.EIO, "Input/output error")
 
     if dist.get_rank() == 1:
-        ckpt._sha256 = unreadable
+        files.sha256 = unreadable
     try:
         ckpt.check(path)
         error = None
     except Exception as e:
         error = (type(e).__name__, str(e).replace(root, "ROOT"))
     finally:
-        ckpt._sha256 = real
+        files.sha256 = real
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, dist.get_rank())  # still in step
     return error, ranks

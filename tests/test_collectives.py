@@ -1,4 +1,4 @@
-"""FSDPv2's collectives (torchspmd/fsdp/collectives.py): the all-reduce forms give the
+"""FSDPv2's collectives (torchspmd/engines/native/collectives.py): the all-reduce forms give the
 native collectives' results; the shared-memory ones are exact on random fp32 and bf16 data
 (stated below), grow their buffer, and stay right when one process is late; and the choice
 of variant."""
@@ -17,7 +17,10 @@ def _compare(numel):
     exact in any order)."""
     import torch.distributed as dist
 
-    from torchspmd.fsdp.collectives import AllReduceAllGather, AllReduceReduceScatter
+    from torchspmd.engines.native.collectives import (
+        AllReduceAllGather,
+        AllReduceReduceScatter,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -52,7 +55,11 @@ def test_allreduce_forms_equal_native_collectives(dist, world, numel):
 def _variant(collectives):
     from torch.distributed.fsdp import FSDPModule
 
-    from torchspmd.fsdp.collectives import AllReduceAllGather, SharedMemoryAllGather, SharedParamsAllGather
+    from torchspmd.engines.native.collectives import (
+        AllReduceAllGather,
+        SharedMemoryAllGather,
+        SharedParamsAllGather,
+    )
 
     mesh = ts.Mesh(list(range(ts.global_runtime_device_count())), (ts.global_runtime_device_count(), 1),
                    ("fsdp", "model"))
@@ -65,10 +72,10 @@ def _variant(collectives):
 
 
 def test_auto_picks_shared_memory_on_one_machine(dist):
-    from torchspmd.fsdp.collectives import _can_point_storages
+    from torchspmd.engines.native.collectives import can_point_storages
 
     # the gathered parameters live in shared memory where this torch lets FSDP2's storages point there
-    shm = "SharedParamsAllGather" if _can_point_storages() else "SharedMemoryAllGather"
+    shm = "SharedParamsAllGather" if can_point_storages() else "SharedMemoryAllGather"
     assert dist(2).run(_variant, "auto")[0] == [shm]
     assert dist(2).run(_variant, "shm")[0] == [shm]
     assert dist(2).run(_variant, "native")[0] == ["native"]
@@ -80,7 +87,7 @@ def _fsdp_reduce_scatter_path():
     shared-memory collectives; return the shared buffers the collectives asked for, in order."""
     import functools
 
-    import torchspmd.fsdp.collectives as coll
+    import torchspmd.engines.native.collectives as coll
 
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model"))
@@ -165,7 +172,7 @@ def _shm_calls(calls, fresh_group=False, with_gloo=False):
     ("between") or between the all-gather and reading its output ("after")."""
     import torch.distributed as dist
 
-    import torchspmd.fsdp.collectives as coll
+    import torchspmd.engines.native.collectives as coll
 
     group = dist.new_group(list(range(dist.get_world_size()))) if fresh_group else dist.group.WORLD
     world, rank = group.size(), group.rank()
@@ -339,7 +346,7 @@ def _no_room():
     """A unit too big for /dev/shm (1 PiB): the buffer cannot be made."""
     import torch.distributed as dist
 
-    from torchspmd.fsdp.collectives import SharedMemoryAllGather
+    from torchspmd.engines.native.collectives import SharedMemoryAllGather
 
     group = dist.new_group(list(range(dist.get_world_size())))
     try:
@@ -361,7 +368,7 @@ def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
     """The reduce-scatter's sum at every process count (more than the multi-process tests
     start, where ``torch.sum`` over the rows would regroup them), on strided rows as the
     reduce-scatter reads them: exactly the rank-order float32 sum."""
-    from torchspmd.fsdp.collectives import _sum_in_rank_order
+    from torchspmd.engines.native.collectives import _sum_in_rank_order
 
     for world in (1, 2, 3, 4, 5, 8, 17):
         for n in (1, 15, 1003, 70001):  # tails of the vectorized kernels, and a size they split
@@ -410,7 +417,7 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
     reduce-scatters of the last step."""
     import torch.distributed as tdist
 
-    import torchspmd.fsdp.collectives as coll
+    import torchspmd.engines.native.collectives as coll
 
     counts = {"barrier": 0, "gather": 0, "reduce_scatter": 0}
     originals = (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
@@ -435,7 +442,7 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
 
 
 def _train_shared_counted(shared, late, steps, prefetch, counts):
-    from torchspmd.fsdp.collectives import SHARED_PARAMS_SWITCH
+    from torchspmd.engines.native.collectives import SHARED_PARAMS_SWITCH
 
     os.environ[SHARED_PARAMS_SWITCH] = "1" if shared else "0"
     n = ts.global_runtime_device_count()
@@ -485,9 +492,9 @@ def test_gathered_parameters_live_once_in_shared_memory(dist, world):
     gives bit for bit what the copying all-gather gives, also with two gathers waiting at once
     (explicit prefetching); with TORCHSPMD_SHARED_PARAMS=0 the gathered parameters are in
     each process's own memory."""
-    from torchspmd.fsdp.collectives import _can_point_storages
+    from torchspmd.engines.native.collectives import can_point_storages
 
-    if not _can_point_storages():
+    if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
     shared = dist(world).run(_train_shared, True)
     copied = dist(world).run(_train_shared, False)
@@ -508,9 +515,9 @@ def test_shared_parameters_with_a_late_process(dist, late_rank):
     backward, so the others run ahead into the next unit's gathering: a region written before
     every process is done reading it would show in the results. They are bit for bit those of
     the copying all-gather without the late process, on every rank."""
-    from torchspmd.fsdp.collectives import _can_point_storages
+    from torchspmd.engines.native.collectives import can_point_storages
 
-    if not _can_point_storages():
+    if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
     late = dist(3).run(_train_shared, True, (late_rank, 0.05))
     copied = dist(3).run(_train_shared, False)
@@ -527,9 +534,9 @@ def test_reduce_scatter_rows_are_written_again_only_after_every_sum(dist, world)
     barriers than one per gather and two per reduce-scatter. With one process summing 0.05 s
     late every time, the others run ahead as far as that allows: training is still bit for
     bit the copying all-gather's, on every rank."""
-    from torchspmd.fsdp.collectives import _can_point_storages
+    from torchspmd.engines.native.collectives import can_point_storages
 
-    if not _can_point_storages():
+    if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
     slow = dist(world).run(_train_shared, True, None, 3, False, world - 1)
     copied = dist(world).run(_train_shared, False)

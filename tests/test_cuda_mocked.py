@@ -63,7 +63,7 @@ def _unlaunched(devices: int, env: dict):
     os.environ.update(env)
     calls = _mock_cuda(devices)
     import torchspmd as ts
-    from torchspmd import _launch
+    from torchspmd.engines.native import launcher as _launch
 
     relaunched = []
 
@@ -105,7 +105,7 @@ def _collective_choices():
     import torch.distributed as dist
 
     from torchspmd import SpmdError
-    from torchspmd.fsdp import collectives
+    from torchspmd.engines.native import collectives
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {}

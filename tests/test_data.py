@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 import torch
+from _helpers import same_on_every_rank
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchspmd as ts
 from torchspmd.mesh import Mesh
-from _helpers import same_on_every_rank
 
 
 class Counting(Dataset):

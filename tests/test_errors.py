@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from test_train import ROOT, _env, train
 
 import torchspmd as ts
-from test_train import ROOT, _env, train
 from torchspmd.train import config as tconfig
 from torchspmd.train import data as tdata
 

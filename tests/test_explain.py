@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
 from torchspmd.explain import explain
-from _helpers import same_on_every_rank
 
 ROWS = 6  # global batch: 3 rows per 'fsdp' shard
 

@@ -11,10 +11,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _helpers import clean_env
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchspmd import _launch
-from _helpers import clean_env
+from torchspmd.engines.native import failures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,11 +131,11 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start
 def _record(tmp_path, monkeypatch, name, exc):
     """The error file a worker's recorder writes for ``exc`` raised now."""
     path = tmp_path / f"{name}.json"
-    monkeypatch.setenv(_launch.ERROR_FILE_ENV, str(path))
+    monkeypatch.setenv(failures.ERROR_FILE_ENV, str(path))
     try:
         raise exc
     except BaseException as e:
-        _launch._Recorder().record_exception(e)
+        failures._Recorder().record_exception(e)
     return str(path)
 
 
@@ -147,7 +147,7 @@ def test_first_by_recorded_time_not_by_rank(tmp_path, monkeypatch):
     late_rank_first = _record(tmp_path, monkeypatch, "r3", ValueError("bad shape 0.83"))
     early_rank_later = _record(tmp_path, monkeypatch, "r0", ValueError("bad shape 0.83"))
     other = _record(tmp_path, monkeypatch, "r1", TypeError("not a tensor"))
-    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, early_rank_later),
+    text, code = failures.summarize({0: ProcessFailure(0, 100, 1, early_rank_later),
                                     1: ProcessFailure(1, 101, 1, other),
                                     3: ProcessFailure(3, 103, 1, late_rank_first)})
     lines = text.splitlines()
@@ -162,7 +162,7 @@ def test_first_by_recorded_time_not_by_rank(tmp_path, monkeypatch):
 def test_a_lost_connection_is_a_consequence_even_when_recorded_first(tmp_path, monkeypatch):
     lost = _record(tmp_path, monkeypatch, "r0", GLOO)
     cause = _record(tmp_path, monkeypatch, "r1", ValueError("bad thing"))
-    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, 1, cause)})
+    text, code = failures.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, 1, cause)})
     assert text.splitlines()[0].startswith("torchspmd: rank 1 failed: ValueError: bad thing"), text
     assert text.splitlines()[1] == ("torchspmd: rank 0 failed after rank 1 failed: RuntimeError: Connection closed "
                                     "by peer [127.0.0.1]:41234 (a lost connection)")
@@ -171,7 +171,7 @@ def test_a_lost_connection_is_a_consequence_even_when_recorded_first(tmp_path, m
 def test_exits_without_a_record(tmp_path, monkeypatch):
     lost = _record(tmp_path, monkeypatch, "r0", GLOO)
     none = str(tmp_path / "absent.json")
-    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, -9, none),
+    text, code = failures.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, -9, none),
                                     2: ProcessFailure(2, 102, -signal.SIGTERM, none),
                                     3: ProcessFailure(3, 103, 1, none)}, stopped_pids={102, 103})
     assert text.splitlines() == [
@@ -182,7 +182,7 @@ def test_exits_without_a_record(tmp_path, monkeypatch):
         "torchspmd: rank 3 was stopped (exit code 1) after rank 1 failed"]
     assert code == 137
     # Without the agent's word on whom it stopped, SIGTERM means stopped by the launcher.
-    text, code = _launch.summarize({0: ProcessFailure(0, 100, -signal.SIGTERM, none),
+    text, code = failures.summarize({0: ProcessFailure(0, 100, -signal.SIGTERM, none),
                                     1: ProcessFailure(1, 101, 3, none)})
     assert text.splitlines()[0].startswith("torchspmd: rank 1 exited with code 3 and recorded no exception"), text
     assert text.splitlines()[1] == "torchspmd: rank 0 was stopped (SIGTERM) after rank 1 failed" and code == 3
@@ -190,7 +190,7 @@ def test_exits_without_a_record(tmp_path, monkeypatch):
 
 def test_only_lost_connections_say_so(tmp_path, monkeypatch):
     lost = _record(tmp_path, monkeypatch, "r0", GLOO)
-    text, code = _launch.summarize({0: ProcessFailure(0, 100, 1, lost)})
+    text, code = failures.summarize({0: ProcessFailure(0, 100, 1, lost)})
     assert text.splitlines()[1] == ("torchspmd: rank 0 lost its connection to another process: that process (on "
                                     "another host, or not started by this launcher) probably failed first"), text
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
 from torchspmd.models import DecoderLayer, DecoderModel
-from _helpers import same_on_every_rank
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5

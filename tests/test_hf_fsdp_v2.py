@@ -8,7 +8,6 @@ import transformers
 import torchspmd as ts
 from torchspmd.hf import fsdp_v2
 
-
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=48, max_position_embeddings=32)
 ARCHS = {

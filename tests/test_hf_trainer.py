@@ -12,7 +12,6 @@ import datasets
 import pytest
 import torch
 import transformers
-
 from _clean import run_clean
 
 RTOL = 1e-5  # fp32

@@ -107,9 +107,13 @@ def test_unknown_backend_is_a_clear_error():
     assert r.returncode != 0 and "use_spmd(backend='tpu')" in r.stderr
 
 
-def test_info():
+def test_info_names_the_engine_and_the_patches_it_applies():
     r = _run([sys.executable, "-m", "torchspmd.cli", "info"])
-    assert r.returncode == 0 and "backend (default) cpu" in r.stdout
+    assert r.returncode == 0 and "engine (default) native, backend cpu" in r.stdout, r.stdout + r.stderr
+    listed = r.stdout.split("patches applied by use_spmd()")[1]
+    for name in ("torch.nn.Module registration hooks", "DTensor op handlers", "torch.optim.Optimizer.profile_hook_step",
+                 "torch function mode: implicit replication"):
+        assert f"  {name} [torch " in listed, listed
 
 
 MALLOC_SCRIPT = textwrap.dedent(
@@ -353,7 +357,7 @@ def test_bad_core_binding_switch_is_a_clear_error(script):
     ([3], 2, [[3], [3]]),
 ])
 def test_worker_cores(cores, world, expected):
-    from torchspmd._launch import worker_cores
+    from torchspmd.engines.native.host import worker_cores
 
     assert [worker_cores(cores, r, world) for r in range(world)] == expected
 
@@ -373,7 +377,7 @@ def test_an_uncaught_keyboard_interrupt_ends_a_forked_worker_as_it_ends_python(t
     python = _run([sys.executable, str(prog)])
     forked = _run([sys.executable, "-c", textwrap.dedent(f"""
         import multiprocessing as mp
-        from torchspmd._launch import _run_program
+        from torchspmd.engines.native.launcher import run_program as _run_program
         p = mp.get_context("fork").Process(target=_run_program, args=({str(prog)!r},))
         p.start(); p.join()
         print("exitcode", p.exitcode)
@@ -455,34 +459,40 @@ def test_rendezvous_event_names_are_torchs_without_inspecting_the_stack(monkeypa
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
-    from torchspmd._launch import _quick_rendezvous_names
+    from torchspmd import patches
+    from torchspmd.patches import elastic
 
+    patches.remove(elastic.QUICK_RENDEZVOUS_NAMES.name)  # (this test process may have launched already)
     torchs = rdzv.get_method_name
-    torchs = getattr(torchs, "_torchspmd_original", torchs)  # this test process may have launched already
-    monkeypatch.setattr(rdzv, "get_method_name", torchs)
-    _quick_rendezvous_names()
-    quick = rdzv.get_method_name
-    _quick_rendezvous_names()  # twice: replaced once
-    assert rdzv.get_method_name is quick and getattr(quick, "_torchspmd_quick", False)
+    try:
+        elastic.quick_rendezvous_names()
+        quick = rdzv.get_method_name
+        elastic.quick_rendezvous_names()  # twice: replaced once
+        assert rdzv.get_method_name is quick is not torchs
+        assert patches.is_active(elastic.QUICK_RENDEZVOUS_NAMES.name)
 
-    def record(name_of):  # as DynamicRendezvousHandler._record calls it: from the method it records
-        return name_of()
+        def record(name_of):  # as DynamicRendezvousHandler._record calls it: from the method it records
+            return name_of()
 
-    def next_rendezvous(name_of):
-        return record(name_of)
+        def next_rendezvous(name_of):
+            return record(name_of)
 
-    assert next_rendezvous(quick) == next_rendezvous(torchs) == "next_rendezvous"
-    deepest = len(inspect.stack())  # from inside get_method_name: one frame more than here
-    for depth in (0, 1, 3, deepest - 1, deepest, deepest + 1, 10_000, -1, -2):
-        assert quick(depth) == torchs(depth), depth
+        assert next_rendezvous(quick) == next_rendezvous(torchs) == "next_rendezvous"
+        deepest = len(inspect.stack())  # from inside get_method_name: one frame more than here
+        for depth in (0, 1, 3, deepest - 1, deepest, deepest + 1, 10_000, -1, -2):
+            assert quick(depth) == torchs(depth), depth
+        patches.remove(elastic.QUICK_RENDEZVOUS_NAMES.name)  # undone: torch's own again
+        assert rdzv.get_method_name is torchs
 
-    # a definition that is not torch's (another torch's) is left alone
-    def other(depth=2):
-        return "elsewhere"
+        # a definition that is not torch's (another torch's) is left alone
+        def other(depth=2):
+            return "elsewhere"
 
-    monkeypatch.setattr(rdzv, "get_method_name", other)
-    _quick_rendezvous_names()
-    assert rdzv.get_method_name is other
+        monkeypatch.setattr(rdzv, "get_method_name", other)
+        elastic.quick_rendezvous_names()
+        assert rdzv.get_method_name is other and not patches.is_active(elastic.QUICK_RENDEZVOUS_NAMES.name)
+    finally:
+        patches.remove(elastic.QUICK_RENDEZVOUS_NAMES.name)
 
 
 LOOPING = textwrap.dedent(

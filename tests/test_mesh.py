@@ -1,10 +1,9 @@
 import numpy as np
 import pytest
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
 from torchspmd.mesh import Mesh
-from _helpers import same_on_every_rank
-
 
 # --- validation: one rule per test, error type and culprit in the message ----------
 

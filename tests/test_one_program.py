@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _helpers import ROOT, clean_env
 
 import torchspmd as ts
-from _helpers import ROOT, clean_env
 
 # A Pattern 1 program as torch_xla programs are written: no seed unless --seed is given,
 # the model built after use_spmd(), the data made with torch.randn, a shuffling loader.
@@ -111,7 +111,7 @@ def test_seeded_program_reproduces_one_device(tmp_path):
 
 
 def _state_digest():
-    from torchspmd._replicas import digest
+    from torchspmd.engines.native.replicas import digest
 
     return digest(torch.get_rng_state())
 
@@ -239,7 +239,7 @@ def test_fsdpv2_shards_rank0s_values(dist, world):
 
 
 def test_digest_sees_every_bit():
-    from torchspmd._replicas import digest
+    from torchspmd.engines.native.replicas import digest
 
     t = torch.randn(1000)
     u = t.clone()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import transformers
-
-from torchspmd.plan import HEADROOM, estimate, model_facts, propose
 from _helpers import clean_env
+
+from torchspmd.train.plan import HEADROOM, estimate, model_facts, propose
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-
-import torchspmd.train as train_pkg
 from test_errors import _one_clear_error
 from test_train import ROOT, _env
-from torchspmd import _launch, cli
+
+import torchspmd.train as train_pkg
+from torchspmd import cli
+from torchspmd.engines.native import launcher as _launch
 from torchspmd.train import config as tconfig
 
 # (flags, what the one error line must contain)
@@ -114,7 +115,7 @@ def test_toml_keys_get_a_suggestion(tmp_path):
 
 @pytest.mark.parametrize("name", list(tconfig.PRESETS))
 def test_each_preset_fits_its_stated_target(name):
-    from torchspmd import plan
+    from torchspmd.train import plan
 
     cfg = tconfig.preset(name)
     tconfig.validate(cfg)
@@ -127,7 +128,7 @@ def test_each_preset_fits_its_stated_target(name):
 
 
 def test_llama2_7b_preset_has_llama2_shapes():
-    from torchspmd import plan
+    from torchspmd.train import plan
 
     cfg = tconfig.preset("llama2-7b")
     facts = plan.config_facts(cfg)
@@ -157,7 +158,7 @@ def test_train_warns_before_training_when_the_run_will_not_fit(monkeypatch, caps
 def test_the_planner_draws_none_of_the_callers_random_numbers():
     import torch
 
-    from torchspmd import plan
+    from torchspmd.train import plan
 
     cfg = tconfig.preset("tiny")
     cfg.model.dropout = 0.1  # the probe's forward draws dropout masks

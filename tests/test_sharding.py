@@ -1,11 +1,12 @@
 import numpy as np
 import pytest
 import torch
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
 from torchspmd.mesh import Mesh
 from torchspmd.sharding import resolve_partition_spec
-from _helpers import same_on_every_rank
+
 
 def _mesh_2x2():
     # Built in the test process, where no launcher runs: a mesh of 4 devices is checked at

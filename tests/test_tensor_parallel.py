@@ -11,14 +11,14 @@ import functools
 import math
 import warnings
 
+import _tp_models as M
 import numpy as np
 import pytest
 import torch
+from _clean import run_clean
 from torch.distributed.tensor import DTensor
 
 import torchspmd as ts
-import _tp_models as M
-from _clean import run_clean
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from test_train import ROOT, SMALL, _env, losses, train
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # 6 steps of 2 micro-batches, warm-up over the first 2: steps 3-6 are in the cosine decay.
 # A checkpoint every 2 steps; keep 1, so every save also prunes the one before it.

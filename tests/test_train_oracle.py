@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_train import ROOT, _env, losses, train
 
 STEPS = 3

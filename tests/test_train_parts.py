@@ -129,6 +129,7 @@ def _legacy_checkpoint(directory):
     import torch.distributed.checkpoint as dcp
 
     from torchspmd import checkpoint as ckpt
+    from torchspmd import optimizer_state
 
     def make():
         torch.manual_seed(0)
@@ -139,7 +140,7 @@ def _legacy_checkpoint(directory):
     model, opt = make()
     F.mse_loss(model(torch.randn(4, 5)), torch.zeros(4, 3)).backward()
     opt.step()
-    old = ckpt._optim_state(model, opt)
+    old = optimizer_state.optim_state(model, opt)
     old["param_groups"] = pickle.loads(old["param_groups"])  # the former layout: a list of dicts
     path = f"{directory}/step-00000001"
     dcp.save({"model": model.state_dict(), "optim": old}, checkpoint_id=path)
@@ -213,7 +214,6 @@ def test_the_models_code_is_imported_before_the_workers_are_forked(tmp_path):
     import sys
 
     from _helpers import clean_env
-
     from transformers import LlamaConfig
 
     LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from test_train import ROOT, _env, losses, train
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 ARGS = ["--optim.max_steps", "4", "--optim.warmup_steps", "2", "--checkpoint.every", "2", "--checkpoint.keep", "2"]
 

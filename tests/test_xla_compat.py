@@ -169,12 +169,12 @@ def test_sharding_strings_follow_xlas_text(api):
 
     import numpy as np
 
-    from torchspmd.compat import _hlo
+    from torchspmd import hlo
 
     spec = importlib.util.spec_from_file_location("sharding_cases", HERE / "sharding_cases.py")
     cases = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cases)
-    want = [_hlo.from_partition_spec(np.array(ids).reshape(shape), names, pspec)
+    want = [hlo.from_partition_spec(np.array(ids).reshape(shape), names, pspec)
             for shape, names, ids, _, pspec in cases.CASES]
     assert api["strings"] == want
 

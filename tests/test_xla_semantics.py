@@ -5,9 +5,9 @@ documents (a device's shard is the block at its place in the logical mesh)."""
 import numpy as np
 import pytest
 import torch
+from _helpers import same_on_every_rank
 
 import torchspmd as ts
-from _helpers import same_on_every_rank
 
 
 def _orders(n):
@@ -223,7 +223,7 @@ def _shards(case):
 
 
 def torchspmd_compat_text(t):
-    from torchspmd.compat._hlo import sharding_string
+    from torchspmd.engines.native.sharded_view import sharding_string
 
     return sharding_string(t)
 

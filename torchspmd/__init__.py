@@ -1,11 +1,35 @@
 """torchspmd: PyTorch/XLA's SPMD programming model on PyTorch's own distributed engine,
-and on torch_xla itself on TPUs (the XLA backend, ``torchspmd/backends/xla.py``).
+and on torch_xla itself on TPUs (the torch_xla engine, ``torchspmd/engines/xla/``).
 
 Write the program for one device, annotate shardings on a named mesh, run it on every
 device. The public API lives here; see README.md and docs/.
 """
 
-from torchspmd._errors import SpmdError
+from torchspmd.data import MpDeviceLoader, shard_batch
+from torchspmd.errors import SpmdError
+from torchspmd.explain import explain
+from torchspmd.mesh import (
+    HybridMesh,
+    Mesh,
+    get_1d_mesh,
+    get_global_mesh,
+    set_global_mesh,
+)
+from torchspmd.parallel import (
+    FSDPv2,
+    SpmdFullyShardedDataParallel,
+    always_wrap_policy,
+    auto_path,
+    checkpoint_module,
+    clip_grad_norm_,
+    full_state_dict,
+    lambda_auto_wrap_policy,
+    load_full_state_dict,
+    replicate,
+    set_auto_replicate,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from torchspmd.runtime import (
     addressable_device_count,
     addressable_runtime_device_count,
@@ -25,36 +49,19 @@ from torchspmd.runtime import (
     use_spmd,
     world_size,
 )
-from torchspmd.mesh import HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh
 from torchspmd.sharding import (
     ShardingSpec,
     clear_sharding,
+    disable_manual_sharding,
+    enable_manual_sharding,
     get_sharding,
     mark_sharding,
     mark_sharding_with_gradients,
-    enable_manual_sharding,
-    disable_manual_sharding,
     visualize_sharding,
     visualize_tensor_sharding,
 )
-from torchspmd.data import MpDeviceLoader, shard_batch
-from torchspmd.sharded_tensor import ShardingType, XLAShard
-from torchspmd.explain import explain
-from torchspmd.replicate import auto_path, replicate, set_auto_replicate
-from torchspmd.fsdp import (
-    FSDPv2,
-    SpmdFullyShardedDataParallel,
-    always_wrap_policy,
-    checkpoint_module,
-    clip_grad_norm_,
-    full_state_dict,
-    lambda_auto_wrap_policy,
-    load_full_state_dict,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
-
-__version__ = "0.1.0"
+from torchspmd.version import __version__  # noqa: F401
+from torchspmd.xla_shards import ShardingType, XLAShard
 
 __all__ = [
     "SpmdError",

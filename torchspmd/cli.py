@@ -7,7 +7,12 @@ import argparse
 import os
 import sys
 
-from torchspmd._errors import SpmdError
+from torchspmd import engines, patches, runtime
+from torchspmd.engines.native import launcher
+from torchspmd.engines.native.failures import interrupted, record_error
+from torchspmd.engines.native.topology import all_ranks_output, parse_count
+from torchspmd.errors import SpmdError
+from torchspmd.version import __version__
 
 
 def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -33,13 +38,11 @@ def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
 
 
 def _count(text: str) -> int:
-    from torchspmd.runtime import _parse_count
 
-    return _parse_count(text, "torchspmd run --nproc")
+    return parse_count(text, "torchspmd run --nproc")
 
 
 def cmd_run(argv: list[str]) -> int:
-    from torchspmd import _launch, runtime
 
     if not argv or argv[0] in ("-h", "--help"):
         print(
@@ -59,14 +62,14 @@ def cmd_run(argv: list[str]) -> int:
         import torch
 
         # Under --xla-compat the program runs on the native engine whatever PJRT_DEVICE says.
-        backend = ("cuda" if torch.cuda.is_available() else "cpu") if compat else runtime._choose_backend(None)
-        nproc = runtime._configured_local_devices(backend)
+        backend = ("cuda" if torch.cuda.is_available() else "cpu") if compat else runtime.chosen_backend(None)
+        nproc = runtime.planned_processes(backend) or 1
     if not any(not a.startswith("-") for a in rest):
         raise SpmdError("torchspmd run: name the script to run, e.g. `torchspmd run --nproc 2 train.py`")
     _check_script(rest)
     if compat:
         rest = _under_compat(rest)
-    return _launch.launch(rest, nproc)
+    return launcher.launch(rest, nproc)
 
 
 def _script_index(args: list[str]) -> int:
@@ -113,23 +116,24 @@ def _under_compat(args: list[str]) -> list[str]:
 
 
 def cmd_info(argv: list[str]) -> int:
-    import importlib.util
-
+    """Versions, the engine a program would start here, and the patches it applies
+    (started here on one device to list them)."""
     import torch
 
-    import torchspmd
-    from torchspmd import runtime
 
-    backend = runtime._choose_backend(None)
-    print(f"torchspmd {torchspmd.__version__}")
+    engine, backend = engines.choose(None)
+    print(f"torchspmd {__version__}")
     print(f"torch {torch.__version__}")
-    print(f"backend (default) {backend}")
-    if backend == "xla":
-        print(f"local devices {runtime.addressable_runtime_device_count()} (one process drives them: torch_xla)")
-    else:
-        print(f"local devices {runtime._configured_local_devices(backend)}")
+    print(f"engine (default) {engine.name}, backend {backend}")
+    for line in engine.describe(backend):
+        print(line)
     print(f"cuda available {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
-    print(f"torch_xla installed {importlib.util.find_spec('torch_xla') is not None}")
+    print(f"torch_xla installed {engines.xla_installed()}")
+    runtime.use_spmd(num_devices=1) if engine.capabilities.process_per_device else runtime.use_spmd()
+    active = patches.active()
+    print(f"patches applied by use_spmd() ({len(active)}; docs/patches.md):")
+    for patch in active:
+        print(f"  {patch.name} [{patch.library} {patches.version(patch.library)}; checked on {patch.checked}]")
     return 0
 
 
@@ -188,7 +192,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from torchspmd.plan import main as plan_main
+    from torchspmd.train.plan import main as plan_main
 
     return plan_main(argv)
 
@@ -214,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     except SpmdError as e:
         import torch.distributed as dist
 
-        from torchspmd._launch import _all_ranks_output, interrupted, record_error
 
         # Every process of a job raises the same error: rank 0 prints it, once; any other
         # process's error reaches the launcher's summary through its record. After Ctrl-C
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if interrupted():
             raise
         if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
-                and not _all_ranks_output()):
+                and not all_ranks_output()):
             print(f"torchspmd: {e}", file=sys.stderr)
         record_error(e)  # in a worker: the launcher's summary names it
         return 2

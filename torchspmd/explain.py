@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchspmd._errors import SpmdError
+from torchspmd.errors import SpmdError
+from torchspmd.mesh import get_global_mesh
 
 __all__ = ["explain", "Explanation", "ParamLayout", "Collective"]
 
@@ -289,7 +290,6 @@ def _meshes(model: nn.Module) -> list:
             if root is not None:
                 seen.setdefault(id(root), root)
     try:
-        from torchspmd.mesh import get_global_mesh
 
         g = get_global_mesh()
         if g is not None and getattr(g, "_device_mesh", None) is not None:

@@ -1,26 +1,28 @@
 """Named device meshes: ``Mesh``, ``HybridMesh``, ``get_1d_mesh`` and the global mesh.
 
-A ``Mesh`` is torch_xla's logical mesh (device ids laid out in a shape, axes named)
-and is backed by a ``torch.distributed.DeviceMesh`` over the same ranks: device id
-``i`` is the process of rank ``i``.
+A ``Mesh`` is torch_xla's logical mesh (device ids laid out in a shape, axes named), an
+engine-neutral value. The native engine realises it as a ``torch.distributed.DeviceMesh``
+over the same ranks (device id ``i`` is the process of rank ``i``); on the torch_xla engine
+``Mesh(...)`` builds torch_xla's own mesh, which counts as a ``Mesh``.
 """
 
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
-from torchspmd import runtime
-from torchspmd._delegate import OnXla, on_xla
-from torchspmd._errors import SpmdError
+from torchspmd import engines, runtime
+from torchspmd.errors import SpmdError
+from torchspmd.mesh_layouts import hybrid_layout
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
 
 
-class Mesh(metaclass=OnXla):
-    """A logical device mesh (torch_xla's ``Mesh`` on the XLA backend).
+class Mesh(abc.ABC):
+    """A logical device mesh (torch_xla's ``Mesh`` on the torch_xla engine).
 
     Args:
         device_ids: the devices (ranks) in C order; reshaped to ``mesh_shape``.
@@ -34,13 +36,26 @@ class Mesh(metaclass=OnXla):
         mesh.shape()              # OrderedDict([('data', 4), ('model', 2)])
     """
 
-    _xla_factory = "mesh"
+    def __new__(cls, *args, **kwargs):
+        engine = engines.started()
+        if engine is None or engine.own_class("Mesh") is None:
+            return object.__new__(cls)
+        view = object.__new__(cls)
+        view.__init__(*args, **kwargs)  # torchspmd's checks and messages
+        return engine.own_mesh(view)
+
+    @classmethod
+    def view(cls, device_ids, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None) -> "Mesh":
+        """A checked public ``Mesh`` on any engine (never the engine's own)."""
+        out = object.__new__(Mesh)
+        out.__init__(device_ids, mesh_shape, axis_names)
+        return out
 
     def __init__(self, device_ids, mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None):
         # Any order of the ids (np.flip, a transposed array, a custom tile assignment): a C-ordered
         # copy, so that negative or non-contiguous strides reach no tensor.
         ids = np.ascontiguousarray(np.asarray(device_ids).reshape(-1))
-        if runtime.is_spmd() or runtime._launched():
+        if runtime.is_spmd() or runtime.launched():
             # torch_xla's rule, checked where torch_xla checks it: a mesh spans every device.
             n = runtime.global_runtime_device_count()
             if len(ids) != n:
@@ -127,81 +142,10 @@ class Mesh(metaclass=OnXla):
     # the engine underneath ----------------------------------------------
     @property
     def device_mesh(self):
-        """The ``torch.distributed.DeviceMesh`` over the same ranks (created on first use;
-        every process must reach it, as every process runs the same program)."""
-        if self._device_mesh is None:
-            runtime._require_spmd("Mesh.device_mesh")
-            n = runtime.global_runtime_device_count()
-            if self.size() != n:
-                raise SpmdError(
-                    f"{self!r} of shape {self.mesh_shape} is not mappable over {n} devices: "
-                    f"the product of mesh_shape must equal global_runtime_device_count() ({n})"
-                )
-            import torch
-            from torch.distributed.device_mesh import DeviceMesh
-
-            logical = self.get_logical_mesh()
-            if np.array_equal(logical.reshape(-1), np.arange(n)):
-                self._device_mesh = DeviceMesh(runtime.device_type(), torch.as_tensor(logical, dtype=torch.int64),
-                                               mesh_dim_names=self.axis_names)
-                _flatten_spans(self._device_mesh)
-            else:
-                self._device_mesh = _reordered_device_mesh(logical, self.axis_names)
-        return self._device_mesh
-
-
-def _reordered_device_mesh(logical: np.ndarray, axis_names):
-    """A DeviceMesh over devices in any order (np.flip, a transposed array, a custom tile
-    assignment). DTensor places a shard by the process's coordinate in the mesh, and its
-    collectives order a group's members by their rank within the process group; torch's
-    DeviceMesh builds its groups from sorted ranks (and reuses the world group for an axis
-    spanning every process), so the two disagree on such a mesh and values come out
-    permuted. Here every group (each axis, each flattened run of axes) lists its members
-    in mesh order (``new_group(sort_ranks=False)``, forced past the world-group shortcut by
-    naming the backend)."""
-    import inspect
-
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.device_mesh as device_mesh_module
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-        raise SpmdError(
-            f"Mesh(device_ids=...): devices in an order other than 0..{logical.size - 1} need process groups that "
-            f"keep that order (torch.distributed.new_group(sort_ranks=False)), which torch {torch.__version__} "
-            f"lacks; upgrade torch, or build the mesh over np.arange({logical.size}) (the same shape: only which "
-            f"process holds which block changes)"
-        )
-    backend = dist.get_backend()
-    original = device_mesh_module.new_group
-
-    def in_mesh_order(*args, **kwargs):
-        kwargs["sort_ranks"] = False
-        return original(*args, **kwargs)
-
-    device_mesh_module.new_group = in_mesh_order
-    try:
-        dmesh = DeviceMesh(runtime.device_type(), torch.as_tensor(logical, dtype=torch.int64),
-                           mesh_dim_names=axis_names, backend_override=tuple((backend, None) for _ in logical.shape))
-        _flatten_spans(dmesh, backend)
-    finally:
-        device_mesh_module.new_group = original
-    return dmesh
-
-
-def _flatten_spans(dmesh, backend: str | None = None) -> None:
-    """Flattened meshes over every run of consecutive axes: with them DTensor moves a value
-    sharded (or pending a sum) over several axes with one collective over their devices,
-    not one per axis (which torch warns about: "flatten mesh dimensions")."""
-    names = dmesh.mesh_dim_names
-    if names is None or len(names) < 2:
-        return
-    _guard_uneven_gathers()
-    for start in range(len(names)):
-        for stop in range(start + 2, len(names) + 1):
-            span = tuple(names[start:stop])
-            (dmesh if len(span) == len(names) else dmesh[span])._flatten("_".join(span), backend_override=backend)
+        """The ``torch.distributed.DeviceMesh`` over the same ranks, on the native engine
+        (created on first use; every process must reach it, as every process runs the same
+        program)."""
+        return runtime.require_spmd("Mesh.device_mesh").device_mesh(self)
 
 
 class HybridMesh(Mesh):
@@ -213,7 +157,12 @@ class HybridMesh(Mesh):
     this is torch_xla's ``HybridMesh`` (laid out by the TPU topology).
     """
 
-    _xla_factory = "hybrid_mesh"
+    def __new__(cls, *, ici_mesh_shape: Sequence[int], dcn_mesh_shape: Sequence[int] | None = None,
+                axis_names: Sequence[str] | None = None):
+        engine = engines.started()
+        if engine is None or engine.own_class("HybridMesh") is None:
+            return object.__new__(cls)
+        return engine.own_hybrid_mesh(ici_mesh_shape, dcn_mesh_shape, axis_names, Mesh.view)
 
     def __init__(
         self,
@@ -229,83 +178,61 @@ class HybridMesh(Mesh):
         super().__init__(full.reshape(-1), full.shape, axis_names)
 
 
-def hybrid_layout(ici_mesh_shape, dcn_mesh_shape, total: int, per_host: int):
-    """Device ids of a hybrid mesh laid out host by host: each host's ``per_host`` devices
-    (numbered consecutively) fill an ``ici`` block, and the hosts tile the mesh by ``dcn``."""
-    ici = tuple(int(s) for s in ici_mesh_shape)
-    dcn = tuple(int(s) for s in dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
-    if len(ici) != len(dcn):
-        raise SpmdError(f"HybridMesh: ici_mesh_shape {ici} and dcn_mesh_shape {dcn} must have the same number of axes")
-    hosts = max(1, total // per_host)
-    if int(np.prod(dcn)) != hosts:
-        raise SpmdError(
-            f"HybridMesh(dcn_mesh_shape={dcn}): the job has {hosts} host(s) of {per_host} devices; "
-            f"the product of dcn_mesh_shape must equal the number of hosts"
-        )
-    if int(np.prod(ici)) != per_host:
-        raise SpmdError(
-            f"HybridMesh(ici_mesh_shape={ici}): each host has {per_host} devices; "
-            f"the product of ici_mesh_shape must equal it"
-        )
-    host_meshes = [np.arange(h * per_host, (h + 1) * per_host).reshape(ici) for h in range(hosts)]
-    # Tile the per-host meshes by the dcn shape: host (i, j, ...) occupies block (i, j, ...).
-    grid = np.arange(hosts).reshape(dcn)
-    full = np.empty(tuple(a * b for a, b in zip(ici, dcn)), dtype=np.int64)
-    for idx in np.ndindex(*dcn):
-        block = tuple(slice(i * s, (i + 1) * s) for i, s in zip(idx, ici))
-        full[block] = host_meshes[int(grid[idx])]
-    return ici, dcn, full
+def as_view(mesh, api: str) -> Mesh:
+    """``mesh`` as a public ``Mesh`` to check partition specs against: the mesh itself, or a
+    view of an engine's own mesh (torch_xla's). A public mesh where the engine needs its own
+    (built before ``use_spmd()`` chose the torch_xla engine) is refused."""
+    engine = engines.started()
+    own = engine.own_class("Mesh") if engine is not None else None
+    if type(mesh) in (Mesh, HybridMesh):
+        if own is not None:
+            raise SpmdError(f"{api}: this Mesh was built before use_spmd() chose the {engine.name} engine; call "
+                            f"torchspmd.use_spmd() first, then build the mesh")
+        return mesh
+    if not isinstance(mesh, Mesh):
+        raise SpmdError(f"{api}: mesh must be a torchspmd Mesh, got {type(mesh).__name__}")
+    return Mesh.view(np.asarray(mesh.device_ids), mesh.mesh_shape, mesh.axis_names)
 
 
-def _guard_uneven_gathers() -> None:
-    """torch 2.13 merges the per-axis all-gathers of a value sharded over several axes into
-    one over their flattened mesh without checking that the dim divides evenly; when it does
-    not, the nested split (9 over 2 then 2: 3, 2, 2, 2) is not the flat one (3, 3, 3, 0) and
-    the gathered value is wrong (torch checks this for reduce-scatters only). Such
-    redistributions keep their per-axis collectives; the others are merged."""
-    try:
-        from torch.distributed.tensor import _redistribute as r
-    except ImportError:
-        return
-    original = getattr(r, "_optimize_transform_infos", None)
-    if original is None or getattr(original, "_torchspmd_guard", False):
-        return
-
-    def guarded(transform_infos, device_mesh, *args, **kwargs):
-        dims: dict[int, list[int]] = {}
-        for info in transform_infos:
-            src = info.src_dst_placements[0]
-            if info._comm_type_key() == "all_gather" and src.is_shard():
-                size, ways = dims.get(src.dim, (0, 1))
-                dims[src.dim] = (max(size, info.logical_shape[src.dim]), ways * device_mesh.size(info.mesh_dim))
-        if any(size % ways for size, ways in dims.values()):
-            return transform_infos
-        return original(transform_infos, device_mesh, *args, **kwargs)
-
-    guarded._torchspmd_guard = True
-    r._optimize_transform_infos = guarded
+def _own_meshes():
+    """The started engine when it keeps meshes of its own (torch_xla's), else None."""
+    engine = engines.started()
+    return engine if engine is not None and engine.own_class("Mesh") is not None else None
 
 
-_GLOBAL_MESH: Mesh | None = None
-
-
-@on_xla
 def set_global_mesh(mesh: Mesh | None) -> None:
     """Make ``mesh`` the default for FSDPv2 and for calls given no mesh (None clears it)."""
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise SpmdError(f"set_global_mesh(mesh=...): expected a torchspmd Mesh, got {type(mesh).__name__}")
-    global _GLOBAL_MESH
-    _GLOBAL_MESH = mesh
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise SpmdError(f"set_global_mesh(mesh=...): expected a torchspmd Mesh, got {type(mesh).__name__}")
+        as_view(mesh, "set_global_mesh(mesh=...)")
+    engine = _own_meshes()
+    if engine is not None:
+        engine.set_global_mesh(mesh)
+    else:
+        _GLOBAL_MESH[:] = [mesh]
 
 
-@on_xla
 def get_global_mesh() -> Mesh | None:
     """The mesh set by ``set_global_mesh``, or None."""
-    return _GLOBAL_MESH
+    engine = _own_meshes()
+    if engine is not None:
+        return engine.get_global_mesh()
+    return _GLOBAL_MESH[0] if _GLOBAL_MESH else None
 
 
-@on_xla
 def get_1d_mesh(axis_name: str | None = None) -> Mesh:
     """All devices along one axis (named ``axis_name`` if given)."""
+    engine = engines.started()
+    own = engine.get_1d_mesh(axis_name) if engine is not None else None
+    if own is not None:
+        return own
     n = runtime.global_runtime_device_count()
     return Mesh(np.arange(n), (n,), (axis_name,) if axis_name is not None else None)
+
+
+_GLOBAL_MESH: list = []  # the global mesh, where the engine keeps none of its own
+
+
+engines.counts_as(Mesh, "Mesh")
+engines.counts_as(HybridMesh, "HybridMesh")

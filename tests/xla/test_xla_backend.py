@@ -127,7 +127,7 @@ def test_sharding_spec_and_loader_shard_the_inputs(ts):
         assert seen(y) == "{replicated}"  # torch_xla leaves a tensor the spec doesn't fit replicated
         torch.testing.assert_close(x.cpu(), x0, rtol=0, atol=0)
         assert y.cpu().tolist() == y0.tolist()
-    with pytest.raises(ts.SpmdError, match=r"fixed_batch_size=True\) is not available on the XLA backend"):
+    with pytest.raises(ts.SpmdError, match=r"fixed_batch_size=True\) is not available on the torch_xla engine"):
         ts.MpDeviceLoader(batches, ts.device(), input_sharding=spec, fixed_batch_size=True)
     with pytest.raises(ts.SpmdError, match=r"no None values"):
         ts.shard_batch({"a": torch.randn(6, 2)}, {"a": None})
@@ -245,10 +245,10 @@ def test_fsdpv2_matches_one_device(ts, how):
 
 def test_fsdpv2_refuses_what_torch_xla_lacks(ts):
     mesh = ts.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
-    for kwargs, match in [({"cpu_offload": True}, r"cpu_offload=True\) is not available on the XLA backend"),
+    for kwargs, match in [({"cpu_offload": True}, r"cpu_offload=True\) is not available on the torch_xla engine"),
                           ({"collectives": "shm"}, r"collectives='shm'\) is not available"),
                           ({"reshard_after_forward": False}, r"reshard_after_forward=False\) is not available"),
-                          ({"mixed_precision": "fp16"}, r"mixed_precision='fp16'\) on the XLA backend"),
+                          ({"mixed_precision": "fp16"}, r"mixed_precision='fp16'\) on the torch_xla engine"),
                           ({"compile": {"mode": "max-autotune"}}, r"compile=\{...\}\)")]:
         with pytest.raises(ts.SpmdError, match=match):
             ts.FSDPv2(Net(), mesh, **kwargs)

@@ -1,5 +1,5 @@
 """``--xla-compat`` against torch_xla itself (this environment has it): the layer's HLO
-sharding text (``torchspmd.compat._hlo``, what ``torch_xla._XLAC._get_xla_sharding_spec``
+sharding text (``torchspmd.hlo``, what ``torch_xla._XLAC._get_xla_sharding_spec``
 returns under the switch) equals torch_xla's own for the cases of
 tests/xla_compat/sharding_cases.py; and with torch_xla installed, the switch says that it
 shadows it."""
@@ -28,14 +28,14 @@ def _cases():
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}{c[1]}{c[2]}{c[4]}")
 def test_layer_text_equals_torch_xlas(ts, case):
-    from torchspmd.compat import _hlo
+    from torchspmd import hlo
 
     shape, names, ids, tshape, spec = case
     mesh = xs.Mesh(np.array(ids), shape, names)
     t = torch.randn(*tshape).to(torch_xla.device())
     xs.mark_sharding(t, mesh, spec)
     theirs = torch_xla._XLAC._get_xla_sharding_spec(t)
-    assert _hlo.from_partition_spec(np.array(ids).reshape(shape), names, spec) == theirs
+    assert hlo.from_partition_spec(np.array(ids).reshape(shape), names, spec) == theirs
 
 
 def test_the_switch_says_it_shadows_an_installed_torch_xla(tmp_path):

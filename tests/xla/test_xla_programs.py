@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import example_losses
 import torch
+from _helpers import example_losses
 
 pytest.importorskip("torch_xla")
 

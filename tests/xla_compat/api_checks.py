@@ -8,16 +8,16 @@ import os
 import sys
 
 import numpy as np
+import sharding_cases
 import torch
 import torch.nn as nn
-
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
-
-import sharding_cases
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+    SpmdFullyShardedDataParallel as FSDPv2,
+)
 
 out = {}
 xr.use_spmd()
@@ -149,7 +149,8 @@ out["sft_is_ours"] = issubclass(trl.SFTTrainer, hf_trainer.Trainer)
 
 # Smaller names programs use
 import torch_xla.distributed.spmd.debugging as debugging  # noqa: E402
-from torch_xla.distributed.spmd.xla_sharding import Mesh as ShardingMesh, mark_sharding as sharding_mark  # noqa: E402
+from torch_xla.distributed.spmd.xla_sharding import Mesh as ShardingMesh  # noqa: E402
+from torch_xla.distributed.spmd.xla_sharding import mark_sharding as sharding_mark
 from torch_xla.utils.checkpoint import checkpoint  # noqa: E402
 
 rank = xr.process_index()

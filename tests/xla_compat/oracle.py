@@ -9,10 +9,9 @@ import os
 import re
 import sys
 
+import _setup
 import torch
 import torch.nn as nn
-
-import _setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -8,6 +8,8 @@ import os
 import runpy
 import sys
 
+from torchspmd import compat
+
 USAGE = ("usage: python -m torchspmd.compat script.py [args...]\n"
          "       python -m torchspmd.compat -m module [args...]\n"
          "Run a torch_xla SPMD program unchanged on torchspmd: `import torch_xla ...` resolves to torchspmd.")
@@ -17,7 +19,6 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
-    from torchspmd import compat
 
     compat.install()
     if argv[0] == "-m":

@@ -21,7 +21,7 @@ def add_closure(fn, args=(), run_async: bool = False) -> None:
 
 def end_step() -> None:
     """A step boundary: advance the counter, run the closures queued so far."""
-    runtime._STATE.step += 1
+    runtime.count_step()
     run_closures()
 
 
@@ -43,7 +43,7 @@ def step():
             finally:
                 _DEPTH[0] -= 1
     else:
-        with torch.profiler.record_function(f"torch_xla.step#{runtime._STATE.step}"):
+        with torch.profiler.record_function(f"torch_xla.step#{runtime.current_step()}"):
             yield
-        runtime._STATE.step += 1
+        runtime.count_step()
     run_closures()

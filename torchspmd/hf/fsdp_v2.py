@@ -20,7 +20,9 @@ from typing import Any, Iterable
 
 import torch.nn as nn
 
-from torchspmd._errors import SpmdError
+from torchspmd.errors import SpmdError
+from torchspmd.runtime import use_spmd
+from torchspmd.sharding import mark_sharding
 
 __all__ = ["use_fsdp_v2", "get_fsdp_config", "get_fsdp_training_args", "find_layer_classes", "tp_plan",
            "shard_by_tp_plan"]
@@ -31,9 +33,7 @@ def use_fsdp_v2(**use_spmd_kwargs: Any) -> None:
     on TPU. Call it first: on the native engine with several devices the program is started
     again, once per device, from the top (as ``use_spmd`` does); on the XLA backend
     (``PJRT_DEVICE`` set) one process drives every device."""
-    import torchspmd as ts
-
-    ts.use_spmd(**use_spmd_kwargs)
+    use_spmd(**use_spmd_kwargs)
 
 
 def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1) -> dict[str, Any]:
     return config
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (``PeftModel``, ``LoraModel``)."""
     seen = 0
     while seen < 4:
@@ -76,7 +76,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def find_layer_classes(model: nn.Module) -> list[str]:
     """Class names of the repeated decoder blocks of ``model``."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     present = {type(m).__name__ for m in model.modules()}
     declared = getattr(model, "_no_split_modules", None) or []
     declared = list(declared) if isinstance(declared, (list, tuple)) else sorted(declared)
@@ -100,14 +100,14 @@ def get_fsdp_training_args(model: nn.Module, layer_cls_to_wrap: Iterable[str] | 
     ``model_axis`` > 1 adds tensor parallelism over a ``'model'`` mesh axis of that size,
     from the model's transformers tensor-parallel plan (``tp_plan(model)``)."""
     if model_axis != 1 and isinstance(model_axis, int) and model_axis > 1 and not tp_plan(model):
-        raise SpmdError(f"get_fsdp_training_args(model_axis={model_axis}): {type(_unwrap(model)).__name__} declares "
+        raise SpmdError(f"get_fsdp_training_args(model_axis={model_axis}): {type(unwrap_peft(model)).__name__} declares "
                         f"no tensor-parallel plan (config.base_model_tp_plan); use model_axis=1, or annotate "
                         f"its weights with mark_sharding and wrap it with FSDPv2 yourself")
     if layer_cls_to_wrap is None:
         names = find_layer_classes(model)
     else:
         names = [layer_cls_to_wrap] if isinstance(layer_cls_to_wrap, str) else list(layer_cls_to_wrap)
-        present = {type(m).__name__ for m in _unwrap(model).modules()}
+        present = {type(m).__name__ for m in unwrap_peft(model).modules()}
         missing = [n for n in names if (n if isinstance(n, str) else n.__name__) not in present]
         if missing:
             raise SpmdError(f"layer_cls_to_wrap={names!r}: {missing[0]!r} is not a module class of this model")
@@ -126,7 +126,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     """The tensor-parallel plan transformers declares for ``model`` (module-name patterns,
     ``*`` for a layer index, to styles): the model's ``_tp_plan``, else its config's
     ``base_model_tp_plan`` under the base model's prefix. Empty when it declares none."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     plan = getattr(model, "_tp_plan", None)
     if plan:
         return dict(plan)
@@ -156,12 +156,10 @@ def shard_by_tp_plan(model: nn.Module, mesh, axis: str = "model") -> list[str]:
     import re
     import warnings
 
-    import torchspmd as ts
-
     if mesh.axis_names is None or axis not in mesh.axis_names:
         raise SpmdError(f"shard_by_tp_plan(axis={axis!r}): the mesh has axes {mesh.axis_names}; build it with a "
                         f"{axis!r} axis, e.g. Mesh(ids, (n // m, m), ('fsdp', {axis!r}))")
-    inner = _unwrap(model)
+    inner = unwrap_peft(model)
     plan = tp_plan(inner)
     if not plan:
         raise SpmdError(f"{type(inner).__name__} declares no tensor-parallel plan (no _tp_plan, no "
@@ -200,7 +198,7 @@ def shard_by_tp_plan(model: nn.Module, mesh, axis: str = "model") -> list[str]:
             for pname, spec in layer_specs.items():
                 p = getattr(layer, pname, None)
                 if p is not None:
-                    ts.mark_sharding(p, mesh, spec)
+                    mark_sharding(p, mesh, spec)
                     done.append(f"{name}.{pname}")
     if skipped:
         warnings.warn(f"shard_by_tp_plan: {sorted(skipped)} have no tensor-parallel annotation here; those "

@@ -55,13 +55,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
-
-import transformers
-from transformers.trainer import Trainer as _StockTrainer  # (not transformers.Trainer: see _compat_patch)
+from transformers.trainer import (
+    Trainer as _StockTrainer,  # (not transformers.Trainer: see the module's end)
+)
 from transformers.trainer_pt_utils import get_module_class_from_name
 
-from torchspmd import runtime
-from torchspmd._errors import SpmdError
+from torchspmd import checkpoint_files, optimizer_state, runtime
+from torchspmd.blocks import chunk
+from torchspmd.data import shard_batch
+from torchspmd.errors import SpmdError
+from torchspmd.hf.fsdp_v2 import shard_by_tp_plan, unwrap_peft
+from torchspmd.mesh import Mesh, set_global_mesh
+from torchspmd.parallel import (
+    FSDPv2,
+    checkpoint_module,
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    shard_in_place,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from torchspmd.patches import accelerate as accelerate_patches
+from torchspmd.patches import transformers as transformers_patches
+from torchspmd.runtime import global_runtime_device_count
+from torchspmd.sharding import ShardingSpec
+from torchspmd.tree import map_tensors
 
 __all__ = ["Trainer", "SFTTrainer"]  # SFTTrainer: made on first use (needs trl)
 
@@ -203,8 +222,6 @@ def _rows_of(batch, rows: int, start: int, end: int, copies: int) -> dict:
 
 def _splittable(rows: int, devices: int) -> bool:
     """Whether every device gets a row when ``rows`` are split like ``torch.chunk``."""
-    from torchspmd._chunks import chunk
-
     return rows > 0 and chunk(rows, devices, devices - 1)[1] > 0
 
 
@@ -230,15 +247,7 @@ class _GlobalLoader(DataLoader):
 # -- helpers ---------------------------------------------------------------------------
 def _plain(obj: Any) -> Any:
     """DTensors (global values) as whole plain tensors."""
-    from torchspmd._boundary import _map
-
-    return _map(obj, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
-
-
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    from torchspmd.hf.fsdp_v2 import _unwrap
-
-    return _unwrap(model)
+    return map_tensors(obj, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
 
 
 def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
@@ -311,12 +320,14 @@ class Trainer(_StockTrainer):
             if config.get("xla_fsdp_grad_ckpt") and args.gradient_checkpointing:
                 args.gradient_checkpointing = False  # checkpoint_module does it, once per layer
             self._spmd_fsdp_config = config
-        elif args is not None and runtime.is_spmd() and runtime.backend() == "xla":
-            if getattr(args.optim, "value", args.optim) == "adamw_torch_fused":
+        elif args is not None and runtime.is_spmd():
+            caps = runtime.capabilities()
+            if not caps.fused_optimizers and getattr(args.optim, "value", args.optim) == "adamw_torch_fused":
                 # transformers' default optimizer: fused AdamW runs on CUDA/CPU only, not on XLA devices
                 args = copy.copy(args)
                 args.optim = type(args.optim)("adamw_torch")
-            _without_hub_kernels(model)
+            if not caps.hub_kernels:
+                _without_hub_kernels(model)
         super().__init__(model, args, *pargs, **kwargs)
         if self._spmd:
             self._spmd_wrap()
@@ -333,32 +344,28 @@ class Trainer(_StockTrainer):
                 "torchspmd.hf.fsdp_v2.use_fsdp_v2() (or torchspmd.use_spmd()) at the start of the program, "
                 "before building TrainingArguments"
             )
-        if runtime.backend() == "xla":
+        if runtime.capabilities().transformers_shards:
             return None  # transformers' own torch_xla FSDPv2 path (wrapping by _xla_wrap)
         return dict(cfg)
 
     def _spmd_wrap(self) -> None:
-        import torchspmd as ts
-        from torchspmd.fsdp import FSDPv2, checkpoint_module, shard_in_place
 
         cfg = self._spmd_fsdp_config
         # As transformers' torch_xla path: a (devices, 1) mesh, made the global mesh; with a
         # 'model' axis (fsdp_config['model_axis']), (devices / m, m) and the model's
         # transformers tensor-parallel plan as sharding annotations.
-        n = ts.global_runtime_device_count()
+        n = global_runtime_device_count()
         m = cfg.get("model_axis", 1)
         if type(m) is not int or m < 1 or n % m:
             raise SpmdError(f"fsdp_config['model_axis'] = {m!r}: give a size of the 'model' axis dividing the "
                             f"{n} devices")
         model = self.model
         if m > 1:
-            from torchspmd.hf.fsdp_v2 import shard_by_tp_plan
-
-            mesh = ts.Mesh(list(range(n)), (n // m, m), ("fsdp", "model"))
+            mesh = Mesh(list(range(n)), (n // m, m), ("fsdp", "model"))
             shard_by_tp_plan(model, mesh)
         else:
-            mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
-        ts.set_global_mesh(mesh)
+            mesh = Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
+        set_global_mesh(mesh)
         self._spmd_mesh = mesh
         policy, checkpointing = _wrapping(model, cfg)
         # Layers become FSDPv2 units in place (no wrapper module): the model keeps its module
@@ -374,7 +381,7 @@ class Trainer(_StockTrainer):
         )
 
         # (named before fully_shard renames the class)
-        name = type(_unwrap_peft(model)).__name__
+        name = type(unwrap_peft(model)).__name__
         self._spmd_causal_lm = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
         # A masked LM's or token classifier's own loss is the mean cross-entropy over its
         # labelled tokens: computed here from the global logits, as a causal LM's (not shifted).
@@ -404,9 +411,8 @@ class Trainer(_StockTrainer):
                     f"{self._spmd_rows} rows, e.g. a multiple of {self._spmd_rows}"
                 )
         # Every process holds the global values: gathering them over processes would repeat them.
-        self.accelerator.gather = _gather_global
         # (evaluation_loop resets gather_function to accelerate's gather_for_metrics after each run)
-        self.accelerator.gather_for_metrics = self._spmd_gather_for_metrics
+        accelerate_patches.gather_globally(self.accelerator, _gather_global, self._spmd_gather_for_metrics)
         self.gather_function = self._spmd_gather_for_metrics
 
     def _spmd_autocast(self, wrapped: nn.Module) -> None:
@@ -415,7 +421,10 @@ class Trainer(_StockTrainer):
         sharded model skips ``prepare``, so its forward gets the same two wrappers here.
         (Not FSDP2's bf16 parameter casting: that computes norms, residuals and gradients in
         bf16 too, a different training from the stock trainer's.)"""
-        from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+        from accelerate.utils import (
+            convert_outputs_to_fp32,
+            get_mixed_precision_context_manager,
+        )
 
         autocast = get_mixed_precision_context_manager(self.accelerator.native_amp, self.accelerator.autocast_handler)
         wrapped._original_forward = wrapped.forward
@@ -425,7 +434,7 @@ class Trainer(_StockTrainer):
         if self._spmd:
             return self.model_wrapped
         if training and getattr(self, "is_fsdp_xla_v2_enabled", False) and runtime.is_spmd() \
-                and runtime.backend() == "xla":
+                and runtime.capabilities().transformers_shards:
             return self._xla_wrap(model)  # (evaluation runs the model as it is, as transformers does)
         return super()._wrap_model(model, training, dataloader)
 
@@ -434,8 +443,6 @@ class Trainer(_StockTrainer):
         class): its default output sharding marks every batch tensor of the output, where
         transformers' marks only ``logits`` and fails on outputs without them (trl's
         fused-LM-head loss)."""
-        from torchspmd.fsdp import FSDPv2, checkpoint_module
-
         if isinstance(model, FSDPv2):
             return model
         policy, checkpointing = _wrapping(model, self.args.fsdp_config)
@@ -497,8 +504,6 @@ class Trainer(_StockTrainer):
         inputs = super()._prepare_inputs(inputs)
         if not self._spmd:
             return inputs
-        from torchspmd import ShardingSpec
-        from torchspmd.data import shard_batch
 
         # Each process keeps its rows of the global batch, as global DTensors (tensors of
         # another rank than 2 are split on dim 0 alike).
@@ -535,9 +540,7 @@ class Trainer(_StockTrainer):
         rows = getattr(self, "_spmd_metric_rows", None)
         if rows is None:
             return data
-        from torchspmd._boundary import _map
-
-        return _map(data, lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
+        return map_tensors(data, lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
 
     def get_total_train_batch_size(self, args) -> int:
         if not self._spmd:
@@ -584,7 +587,7 @@ class Trainer(_StockTrainer):
 
         if not isinstance(outputs, dict) or outputs.get("aux_loss") is None:
             return None
-        model = _unwrap_peft(self.model)
+        model = unwrap_peft(self.model)
         coef = getattr(model, "router_aux_loss_coef", None)
         if not coef:
             return None
@@ -633,15 +636,11 @@ class Trainer(_StockTrainer):
     def _clip_grad_norm(self, model):
         if not self._spmd:
             return super()._clip_grad_norm(model)
-        from torchspmd.fsdp import clip_grad_norm_
-
         return clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if not self._spmd or grad_norm is not None:
             return super()._get_grad_norm(model, grad_norm)
-        from torchspmd.fsdp import clip_grad_norm_
-
         return clip_grad_norm_(model.parameters(), float("inf"))
 
     # -- saving and loading -----------------------------------------------------------------
@@ -650,22 +649,18 @@ class Trainer(_StockTrainer):
             return self._xla_save_model(output_dir, _internal_call)
         if not self._spmd:
             return super().save_model(output_dir, _internal_call)
-        from torchspmd.fsdp import full_state_dict
 
-        from torchspmd.checkpoint import _on_rank0, _why
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = full_state_dict(self.model_wrapped)  # every process gathers; the first one keeps it
         # the first process writes; a failure there (a full disk) is every process's error
-        _on_rank0(lambda: self._save(output_dir, state_dict=state) if self.args.should_save else None,
-                  lambda e: f"save_model: the model could not be written to {output_dir} ({_why(e)}, on process 0)")
+        checkpoint_files.on_rank0(lambda: self._save(output_dir, state_dict=state) if self.args.should_save else None,
+                  lambda e: f"save_model: the model could not be written to {output_dir} ({checkpoint_files.why(e)}, on process 0)")
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _xla_wrapped(self) -> bool:
-        from torchspmd.fsdp import FSDPv2
-
-        return runtime.is_spmd() and runtime.backend() == "xla" and isinstance(self.model, FSDPv2)
+        return runtime.is_spmd() and runtime.capabilities().transformers_shards and isinstance(self.model, FSDPv2)
 
     def _xla_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         """A normal Hugging Face directory from the torch_xla FSDPv2 model (transformers'
@@ -673,7 +668,6 @@ class Trainer(_StockTrainer):
         wrapper-prefixed keys, to pytorch_model.bin)."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
-        from torchspmd.fsdp import full_state_dict
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = full_state_dict(self.model)  # the unwrapped model's keys, on the CPU
@@ -690,22 +684,17 @@ class Trainer(_StockTrainer):
         if not self._spmd:
             return super()._save_optimizer_and_scheduler(output_dir)
         import torch.distributed.checkpoint as dcp
-
-        from torchspmd.checkpoint import _optim_state
-
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from torchspmd.checkpoint import _on_rank0, _shards_failed, _why
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         try:
-            dcp.save({"optim": _optim_state(self.model_wrapped, optimizer)},
+            dcp.save({"optim": optimizer_state.optim_state(self.model_wrapped, optimizer)},
                      checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
         except CheckpointException as e:  # (a BaseException, on every process: DCP gathers the failures)
-            raise SpmdError(f"the optimizer state: {_shards_failed(e)}") from None
-        _on_rank0(lambda: torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            raise SpmdError(f"the optimizer state: {checkpoint_files.shards_failed(e)}") from None
+        checkpoint_files.on_rank0(lambda: torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
                   if self.args.should_save else None,
-                  lambda e: f"the scheduler state could not be written ({_why(e)}, on process 0)")
+                  lambda e: f"the scheduler state could not be written ({checkpoint_files.why(e)}, on process 0)")
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' checkpoint, written atomically: into ``<run dir>/.torchspmd-saving/``
@@ -719,8 +708,6 @@ class Trainer(_StockTrainer):
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-        from torchspmd.checkpoint import _fsync_dir, _on_rank0, _why
-
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final, staging_root = os.path.join(run_dir, name), os.path.join(run_dir, STAGING_DIR)
@@ -732,7 +719,7 @@ class Trainer(_StockTrainer):
                 shutil.rmtree(staging_root)
             os.makedirs(staging_root)
 
-        _on_rank0(prepare, lambda e: f"{unsaved}: {staging_root} cannot be made ({_why(e)}, on process 0); "
+        checkpoint_files.on_rank0(prepare, lambda e: f"{unsaved}: {staging_root} cannot be made ({checkpoint_files.why(e)}, on process 0); "
                                      f"{unchanged}")
         # transformers writes the checkpoint under the run directory it asks for: the staging one
         self._get_output_dir = lambda trial=None: staging_root
@@ -740,7 +727,7 @@ class Trainer(_StockTrainer):
         try:
             super()._save_checkpoint(model, trial)
         except Exception as e:
-            error = str(e) if isinstance(e, SpmdError) else _why(e)
+            error = str(e) if isinstance(e, SpmdError) else checkpoint_files.why(e)
         finally:
             del self._get_output_dir
         # every process learns how every other's part went (no process goes on alone)
@@ -770,13 +757,13 @@ class Trainer(_StockTrainer):
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                _fsync_dir(path)
+                checkpoint_files.fsync_dir(path)
             if os.path.lexists(final):  # saved by an earlier run that went further
                 aside = os.path.join(staging_root, f"{name}.replaced")
                 os.replace(final, aside)
             os.replace(staging, final)  # atomic: the checkpoint appears whole or not at all
             done["renamed"] = True
-            _fsync_dir(run_dir)
+            checkpoint_files.fsync_dir(run_dir)
             shutil.rmtree(staging_root, ignore_errors=True)
             if self.args.should_save:
                 rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
@@ -784,10 +771,10 @@ class Trainer(_StockTrainer):
 
         def publish_failed(e: Exception) -> str:
             if done["renamed"]:
-                return f"checkpoint {final} is saved, but older checkpoints could not be removed ({_why(e)}, on process 0)"
-            return f"{unsaved} ({_why(e)}, on process 0, completing it); {unchanged}"
+                return f"checkpoint {final} is saved, but older checkpoints could not be removed ({checkpoint_files.why(e)}, on process 0)"
+            return f"{unsaved} ({checkpoint_files.why(e)}, on process 0, completing it); {unchanged}"
 
-        _on_rank0(publish, publish_failed)
+        checkpoint_files.on_rank0(publish, publish_failed)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._spmd:
@@ -798,35 +785,31 @@ class Trainer(_StockTrainer):
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise SpmdError(f"checkpoint {checkpoint}: no optimizer state ({OPTIMIZER_DIR}/.metadata is missing); "
                             f"it was not written by torchspmd.hf.Trainer, or its save did not finish")
-        import torch.distributed.checkpoint as dcp
-
         from pathlib import Path
 
-        from torchspmd.checkpoint import (CheckpointMismatch, _group_names, _groups_differ, _load_optim_state,
-                                          _optim_targets, _read_groups, _saved_optim_state)
+        import torch.distributed.checkpoint as dcp
+
 
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         model = self.model_wrapped
         # As torchspmd.checkpoint.load: the groups are compared before anything is loaded, and
         # the optimizer gets exactly the state the checkpoint holds (none for a parameter that
         # had none: plain SGD, a parameter without a gradient yet).
-        groups = _read_groups(Path(path))
-        differ = _groups_differ(groups, _group_names(model, optimizer))
+        groups = optimizer_state.read_groups(Path(path))
+        differ = optimizer_state.groups_differ(groups, optimizer_state.group_names(model, optimizer))
         if differ:
-            raise CheckpointMismatch(f"checkpoint {checkpoint} was saved with another optimizer: {differ}; build the "
+            raise checkpoint_files.CheckpointMismatch(f"checkpoint {checkpoint} was saved with another optimizer: {differ}; build the "
                                      f"optimizer with the parameter groups of the one that saved it")
-        saved = _saved_optim_state(Path(path), dcp.FileSystemReader(path).read_metadata(), model, optimizer)
-        state = {"optim": {"state": _optim_targets(Path(path), saved, model, optimizer)}}
+        saved = optimizer_state.saved_optim_state(Path(path), dcp.FileSystemReader(path).read_metadata(), model, optimizer)
+        state = {"optim": {"state": optimizer_state.optim_targets(Path(path), saved, model, optimizer)}}
         if saved:
             dcp.load(state, checkpoint_id=path)
-        _load_optim_state(model, optimizer, {"param_groups": groups, **state["optim"]})
+        optimizer_state.load_optim_state(model, optimizer, {"param_groups": groups, **state["optim"]})
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._spmd:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from torchspmd.fsdp import load_full_state_dict
-
         weights = _read_hf_weights(resume_from_checkpoint)
         if _is_peft(self.model):
             adapter = getattr(self.model, "active_adapter", "default")
@@ -850,11 +833,9 @@ def _wrapping(model: nn.Module, cfg: dict):
     reads it: a parameter count (``min_num_params``), else the layer classes by name
     (``transformer_layer_cls_to_wrap``, else the model's ``_no_split_modules``); and whether
     to checkpoint each unit (which turns the model's KV cache off, as transformers does)."""
-    from torchspmd.fsdp import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
     policy = None
     explicit = bool(cfg.get("transformer_layer_cls_to_wrap"))
-    names = cfg.get("transformer_layer_cls_to_wrap") or getattr(_unwrap_peft(model), "_no_split_modules", None) or []
+    names = cfg.get("transformer_layer_cls_to_wrap") or getattr(unwrap_peft(model), "_no_split_modules", None) or []
     if isinstance(names, str):
         names = [names]
     names = list(names)
@@ -880,7 +861,7 @@ def _wrapping(model: nn.Module, cfg: dict):
         policy = by_class
     checkpointing = bool(cfg.get("xla_fsdp_grad_ckpt"))
     if checkpointing:
-        config = getattr(_unwrap_peft(model), "config", None)
+        config = getattr(unwrap_peft(model), "config", None)
         if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False  # as transformers: the cache and recomputation don't mix
     return policy, checkpointing
@@ -916,20 +897,12 @@ def _read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
                     f"adapter_model.safetensors in it")
 
 
-def _compat_patch() -> None:
-    """Under --xla-compat, stock ``transformers.Trainer`` is this module's (see torchspmd.compat).
-    The stock class is imported above from ``transformers.trainer``, not read as
-    ``transformers.Trainer``: that would make transformers' lazy module keep the stock class
-    as its attribute before the patch."""
-    from torchspmd import compat
-
-    if compat.active():
-        import transformers.trainer
-
-        compat._patch_trainer_module(transformers.trainer)
-
-
-_compat_patch()
+# Under --xla-compat, stock ``transformers.Trainer`` is this module's: asked for while this
+# module loaded transformers.trainer on its way, done now that ``Trainer`` is defined.
+# (The stock class is imported above from ``transformers.trainer``, not read as
+# ``transformers.Trainer``: that would make transformers' lazy module keep the stock class as
+# its attribute before the patch.)
+transformers_patches.trainer_defined(Trainer)
 
 
 def _sft_trainer_class():

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from torchspmd._errors import SpmdError
+from torchspmd import runtime
+from torchspmd.errors import SpmdError
+from torchspmd.train import data as tdata
+from torchspmd.train.models import model_vocab, pretrained_config
 
 
 def _f(default: Any, help: str, **kw):
@@ -468,38 +471,46 @@ def validate(cfg: TrainConfig) -> None:
 def _check_backend(cfg: TrainConfig) -> str:
     """The backend the job will use; a ``mesh.backend`` this machine cannot run is an error
     naming the setting."""
-    from torchspmd import runtime
 
     b = cfg.mesh.backend.lower()
-    if b and b not in runtime._BACKENDS:
+    if b and b not in runtime.backends():
         raise SpmdError(f"mesh.backend = {cfg.mesh.backend!r}: unknown backend; choose one of "
-                        f"{', '.join(repr(x) for x in runtime._BACKENDS)}, or leave it empty to pick one")
+                        f"{', '.join(repr(x) for x in runtime.backends())}, or leave it empty to pick one")
     if b == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SpmdError("mesh.backend = 'cuda': no CUDA device is visible to PyTorch "
                             "(torch.cuda.is_available() is False); set mesh.backend = 'cpu' or leave it empty")
-    return runtime._choose_backend(b or None)
+    return runtime.chosen_backend(b or None)
+
+
+def device_count(cfg: TrainConfig) -> int | None:
+    """The devices the job asks ``use_spmd`` for: ``mesh.devices``, else 2 CPU processes
+    unless the environment says (``$TORCHSPMD_NUM_DEVICES``, ``$CPU_NUM_DEVICES``), the
+    backend is CUDA (every GPU) or the engine counts its own (torch_xla)."""
+    import os
+
+    import torch
+
+
+    if cfg.mesh.devices:
+        return cfg.mesh.devices
+    if runtime.planned_processes(cfg.mesh.backend or None) is None:
+        return None
+    if os.environ.get(runtime.ENV_NUM_DEVICES) or os.environ.get(runtime.XLA_CPU_NUM_DEVICES):
+        return None
+    backend = cfg.mesh.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    return None if backend == "cuda" else 2
 
 
 def planned_devices(cfg: TrainConfig) -> int | None:
     """The number of devices (processes) the job will run on, known before any worker
     starts: ``WORLD_SIZE`` under a launcher, else what ``use_spmd`` will be given
     (``mesh.devices``, ``$TORCHSPMD_NUM_DEVICES``, the CUDA devices, 2 CPU processes).
-    None on the XLA backend, where torch_xla counts its devices when it starts."""
-    import os
+    None on the torch_xla engine, which counts its devices when it starts."""
 
-    from torchspmd import runtime
-    from torchspmd.train.loop import _device_count
-
-    backend = _check_backend(cfg)
-    if backend == "xla":
-        return None
-    if runtime._launched():
-        return int(os.environ["WORLD_SIZE"])
-    n = _device_count(cfg)
-    return n if n is not None else runtime._configured_local_devices(backend)
+    return runtime.planned_processes(_check_backend(cfg), device_count(cfg))
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -510,21 +521,17 @@ def preflight(cfg: TrainConfig) -> None:
     tokenized here, into ``out_dir/cache`` (the workers map that file). Under a launcher
     (torchrun, ``torchspmd run``) every process checks the settings and the job's rank 0
     reads the corpus (``train.loop``)."""
-    from torchspmd import runtime
-    from torchspmd.train import data as tdata
 
     world = planned_devices(cfg)
-    micro = cfg.optim.batch_size // cfg.optim.grad_accum
     if world is not None:
         mesh_checks(cfg, world)
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     if cfg.model.pretrained:
         _check_pretrained(cfg, tokenizer)
     else:
-        from torchspmd.train.models import model_vocab
 
         model_vocab(cfg.model, tokenizer)
-    if not runtime._launched():
+    if not runtime.launched():
         tokens = tdata.load_tokens(cfg.data, tokenizer, Path(cfg.out_dir) / "cache")
         tdata.check_corpus(len(tokens), cfg.data, cfg.optim)
 
@@ -549,7 +556,6 @@ def mesh_checks(cfg: TrainConfig, world: int) -> None:
 
 
 def _check_pretrained(cfg: TrainConfig, tokenizer) -> None:
-    from torchspmd.train.models import pretrained_config
 
     d, where = cfg.data, f"model.pretrained = {cfg.model.pretrained!r}"
     config = pretrained_config(cfg.model.pretrained)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchspmd._errors import SpmdError
+from torchspmd.errors import SpmdError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
 
@@ -124,9 +124,7 @@ def iter_documents(path: str, text_field: str) -> Iterator[str]:
     if not p.exists():
         raise SpmdError(f"data.path = {path!r}: no such file or directory")
     if p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        from datasets import load_from_disk
-
-        from datasets import DatasetDict
+        from datasets import DatasetDict, load_from_disk
 
         ds = load_from_disk(str(p))
         if isinstance(ds, DatasetDict):  # its 'train' split

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from torchspmd import checkpoint as ckpt
-from torchspmd._errors import SpmdError
+from torchspmd.errors import SpmdError
 from torchspmd.train import data as tdata
 from torchspmd.train.config import TrainConfig, apply_overrides, load_toml
-from torchspmd.train.models import build_model, model_vocab, logits_of
+from torchspmd.train.models import build_model, logits_of, model_vocab
 
 
 def _resolve(path: str) -> Path:

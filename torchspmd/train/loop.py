@@ -14,14 +14,33 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import torchspmd as ts
-from torchspmd import _launch
 from torchspmd import checkpoint as ckpt
-from torchspmd._errors import SpmdError
+from torchspmd import faults, runtime
+from torchspmd.checkpoint_files import barrier
+from torchspmd.data import MpDeviceLoader
+from torchspmd.errors import SpmdError
+from torchspmd.explain import explain
+from torchspmd.hf.fsdp_v2 import shard_by_tp_plan, tp_plan
+from torchspmd.mesh import Mesh, set_global_mesh
+from torchspmd.parallel import (
+    FSDPv2,
+    checkpoint_module,
+    clip_grad_norm_,
+    transformer_auto_wrap_policy,
+)
+from torchspmd.sharding import ShardingSpec, mark_sharding
 from torchspmd.train import data as tdata
-from torchspmd.train.config import TrainConfig
-from torchspmd.train.models import (build_model, import_model_code, init_weights, layer_classes, load_pretrained,
-                                    logits_of, model_vocab)
+from torchspmd.train import plan
+from torchspmd.train.config import TrainConfig, device_count, mesh_checks
+from torchspmd.train.models import (
+    build_model,
+    import_model_code,
+    init_weights,
+    layer_classes,
+    load_pretrained,
+    logits_of,
+    model_vocab,
+)
 
 # Dense bf16 peak FLOP/s per device, for model FLOPs utilisation; other devices report none.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
@@ -35,27 +54,12 @@ def _peak_flops() -> float | None:
 
 
 def _memory_gb() -> float:
-    """Peak memory of this device: CUDA allocations, an XLA device's peak use, or the
-    process's peak RSS on CPU."""
-    if torch.cuda.is_available() and ts.backend() == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    if ts.backend() == "xla" and os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
-        import torch_xla.core.xla_model as xm
-
-        info = xm.get_memory_info(ts.device())
-        return info.get("peak_bytes_used", info.get("bytes_used", 0)) / 2**30
+    """Peak memory of this device (CUDA allocations, a TPU's peak use), else the process's
+    peak RSS."""
+    measured = runtime.require_spmd("train").peak_memory_gb()
+    if measured is not None:
+        return measured
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _device_count(cfg: TrainConfig) -> int | None:
-    if cfg.mesh.devices:
-        return cfg.mesh.devices
-    if ts.runtime._choose_backend(cfg.mesh.backend or None) == "xla":
-        return None  # torch_xla drives every device PJRT shows
-    if os.environ.get(ts.runtime.ENV_NUM_DEVICES) or os.environ.get(ts.runtime.XLA_CPU_NUM_DEVICES):
-        return None
-    backend = cfg.mesh.backend or ("cuda" if torch.cuda.is_available() else "cpu")
-    return None if backend == "cuda" else 2
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -150,11 +154,11 @@ def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, 
     """Sample text (top-k 10, temperature 0.8); every process draws the same tokens."""
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     g = torch.Generator().manual_seed(seed)
-    fixed = ts.backend() == "xla"  # one shape, one compiled graph: right-pad (the model is causal)
+    fixed = runtime.capabilities().static_shapes  # one shape, one compiled graph: right-pad (the model is causal)
     for _ in range(tokens):
         window = ids[-seq_len:]
         ctx = torch.tensor([window + [tokenizer.eos_id] * (seq_len - len(window)) if fixed else window] * rows)
-        logits = logits_of(model(ctx.to(ts.device())))
+        logits = logits_of(model(ctx.to(runtime.device())))
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         last = logits[0, len(window) - 1].float().cpu()
         top = torch.topk(last / 0.8, 10)
@@ -165,59 +169,19 @@ def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, 
     return tokenizer.decode(ids)
 
 
-# Fault injection for the tests (documented in docs/train.md): kill rank 1 with SIGKILL after
-# step N on the first attempt of an elastic job; crash while saving the checkpoint of step N;
-# SIGKILL one process inside the save of step N ("N:POINT", POINT one of ckpt.KILL_POINTS).
-_KILL_AT = "TORCHSPMD_FAULT_KILL_AT_STEP"
-_FAIL_SAVE = "TORCHSPMD_FAULT_SAVE_AT_STEP"
-_KILL_IN_SAVE = "TORCHSPMD_FAULT_KILL_IN_SAVE"
-# Make the loss of the listed steps NaN on the last process (its gradients follow), e.g. "2,4-6".
-_NAN_AT = "TORCHSPMD_FAULT_NAN_AT_STEPS"
-
-
-def _nan_steps() -> set[int]:
-    steps: set[int] = set()
-    for part in filter(None, os.environ.get(_NAN_AT, "").replace(" ", "").split(",")):
-        first, _, last = part.partition("-")
-        try:
-            steps.update(range(int(first), int(last or first) + 1))
-        except ValueError:
-            raise SpmdError(f"{_NAN_AT} = {os.environ[_NAN_AT]!r}: expected step numbers and ranges "
-                            f"such as '2,4-6'") from None
-    return steps
-
-
-def _inject_kill(step: int, rank: int) -> None:
-    if os.environ.get(_KILL_AT) == str(step) and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _save_kill_point(step: int) -> str | None:
-    at, _, point = os.environ.get(_KILL_IN_SAVE, "").partition(":")
-    if at != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    if point not in ckpt.KILL_POINTS:
-        raise SpmdError(f"{_KILL_IN_SAVE} = {os.environ[_KILL_IN_SAVE]!r}: expected STEP:POINT with POINT one of "
-                        f"{', '.join(ckpt.KILL_POINTS)}")
-    return point
-
-
 def shard_over_model(model, kind: str, mesh) -> None:
     """Annotate the weights that compute tensor-parallel over 'model': a transformers
     model's own plan; the seed decoder's attention (by heads), MLP pairs, embedding and LM
     head."""
     if kind == "seed":
         for layer in model.layers:
-            ts.mark_sharding(layer.attn.in_proj_weight, mesh, ("model", None))  # split by heads
-            ts.mark_sharding(layer.attn.out_proj.weight, mesh, (None, "model"))
-            ts.mark_sharding(layer.up.weight, mesh, ("model", None))
-            ts.mark_sharding(layer.down.weight, mesh, (None, "model"))
-        ts.mark_sharding(model.embed.weight, mesh, ("model", None))
-        ts.mark_sharding(model.lm_head.weight, mesh, ("model", None))
+            mark_sharding(layer.attn.in_proj_weight, mesh, ("model", None))  # split by heads
+            mark_sharding(layer.attn.out_proj.weight, mesh, (None, "model"))
+            mark_sharding(layer.up.weight, mesh, ("model", None))
+            mark_sharding(layer.down.weight, mesh, (None, "model"))
+        mark_sharding(model.embed.weight, mesh, ("model", None))
+        mark_sharding(model.lm_head.weight, mesh, ("model", None))
         return
-    from torchspmd.hf.fsdp_v2 import shard_by_tp_plan, tp_plan
 
     if not tp_plan(model):
         raise SpmdError(f"mesh.model = {mesh.shape()['model']}: {type(model).__name__} declares no tensor-parallel "
@@ -228,7 +192,7 @@ def shard_over_model(model, kind: str, mesh) -> None:
 def _materialize(model, kind: str, seed: int, rank: int) -> None:
     """Give a model built on the meta device real (initialised) parameters on the device."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    model.to_empty(device=ts.device())
+    model.to_empty(device=runtime.device())
     for n, b in model.named_buffers():
         b.copy_(buffers[n])
     torch.manual_seed(seed + 1 + rank)
@@ -239,9 +203,9 @@ def _materialize(model, kind: str, seed: int, rank: int) -> None:
 def _device_memory() -> tuple[float, str] | None:
     """Bytes of memory one device has, and what they are: a CUDA device's total, a CPU
     process's share of the host's physical memory; None on XLA (unknown here)."""
-    if ts.backend() == "cuda":
-        return float(torch.cuda.get_device_properties(ts.device()).total_memory), "this GPU's memory"
-    if ts.backend() == "cpu":
+    if runtime.backend() == "cuda":
+        return float(torch.cuda.get_device_properties(runtime.device()).total_memory), "this GPU's memory"
+    if runtime.backend() == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return total / local, f"this host's memory shared by {local} process{'es' if local > 1 else ''}"
@@ -253,7 +217,6 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     device, and a warning (with the planner's proposal) when it will not fit."""
     import sys
 
-    from torchspmd import plan
 
     if cfg.mesh.model > 1:
         print("plan: no memory prediction (the planner does not model a 'model' axis)")
@@ -275,7 +238,7 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     if memory and total > plan.HEADROOM * memory[0]:
         proposal = plan.propose(facts, world, o.batch_size, cfg.data.seq_len, memory[0], cfg.precision.dtype,
                                 "adamw", strategy, ladder=plan.LADDER[:2])  # (train has no CPU offload)
-        fix = (f"The planner proposes {plan._describe(proposal)}: set optim.grad_accum = {proposal.grad_accum}"
+        fix = (f"The planner proposes {plan.describe(proposal)}: set optim.grad_accum = {proposal.grad_accum}"
                f"{' and precision.checkpointing = true' if proposal.strategy != strategy else ''}"
                f"{f' and run on {proposal.devices} devices' if proposal.devices_changed else ''}." if proposal else
                "Nothing the planner knows fits: lower data.seq_len or use a 'model' axis.")
@@ -311,8 +274,8 @@ def _bad_checkpoint(setting: str, path: Path, e: ckpt.BadCheckpoint) -> str:
         return (f"{head}; delete that directory to resume from the checkpoint before it, or set checkpoint.resume to "
                 f"another checkpoint directory (or 'none' to start over)")
     others = [p for p in ckpt.list_checkpoints(path.parent) if p.resolve() != path.resolve()]
-    if ckpt._NAME.match(path.name):
-        others = [p for p in others if ckpt._step_of(p) < ckpt._step_of(path)]
+    if ckpt.NAME.match(path.name):
+        others = [p for p in others if ckpt.step_of(p) < ckpt.step_of(path)]
     before = f" (the one before it is {others[-1]})" if others else ""
     return (f"{head}; point checkpoint.resume at another step-NNNNNNNN directory{before}, or set it to 'none' to "
             f"start over")
@@ -367,43 +330,44 @@ def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> d
     by rank 0; nothing is saved."""
 
     def one_step():
-        with ts.step():
+        with runtime.step():
             for _ in range(cfg.optim.grad_accum):
                 x, y = next(train_iter)
                 loss = F.cross_entropy(logits_of(model(x)).reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
                 loss.backward()
-            ts.clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            clip_grad_norm_(model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    result = ts.explain(model, one_step)
+    result = explain(model, one_step)
     return {"explanation": result}
 
 
 def run(cfg: TrainConfig, explain: bool = False) -> dict:
-    import_model_code(cfg.model)  # before use_spmd() forks the workers: imported once, for all of them
+    import_model_code(cfg.model)  # before runtime.use_spmd() forks the workers: imported once, for all of them
     try:
-        ts.use_spmd(backend=cfg.mesh.backend or None, num_devices=_device_count(cfg))
+        runtime.use_spmd(backend=cfg.mesh.backend or None, num_devices=device_count(cfg))
     except SpmdError as e:
         if cfg.mesh.devices and "num_devices" in str(e):
             raise SpmdError(f"mesh.devices = {cfg.mesh.devices}: {e}") from None
         raise
-    rank, world = ts.process_index(), ts.global_runtime_device_count()
+    rank, world = runtime.process_index(), runtime.global_runtime_device_count()
     out = Path(cfg.out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        print(f"torchspmd train: {world} device(s), backend {ts.backend()}, output {out}\n")
+        print(f"torchspmd train: {world} device(s), backend {runtime.backend()}, output {out}\n")
         print(cfg.to_toml())
-    ckpt._barrier()
+    barrier()
     torch.manual_seed(cfg.seed)
 
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
-    on_xla = ts.backend() == "xla"
+    lazy = runtime.capabilities().lazy_tensors
     # model.meta_init with model.pretrained (the llama-1b / llama2-7b presets set meta_init): the
-    # architecture on meta, the pretrained weights loaded into the shards; on XLA, built whole
-    pretrained_on_meta = cfg.model.meta_init and bool(cfg.model.pretrained) and not on_xla
+    # architecture on meta, the pretrained weights loaded into the shards; with lazy tensors
+    # (torch_xla), built whole
+    pretrained_on_meta = cfg.model.meta_init and bool(cfg.model.pretrained) and not lazy
     model_cfg = cfg.model
-    if cfg.model.meta_init and cfg.model.pretrained and on_xla:
+    if cfg.model.meta_init and cfg.model.pretrained and lazy:
         import dataclasses
 
         model_cfg = dataclasses.replace(cfg.model, meta_init=False)
@@ -419,7 +383,6 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     tokens = tdata.load_tokens(cfg.data, tokenizer, out / "cache")
     train_ds, eval_ds = tdata.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
 
-    from torchspmd.train.config import mesh_checks
 
     mesh_checks(cfg, world)
     if rank == 0:
@@ -427,37 +390,37 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     tp = cfg.mesh.model
     if tp > 1:
         shape = (cfg.mesh.data, world // (cfg.mesh.data * tp), tp)
-        mesh = ts.Mesh(np.arange(world), shape, ("data", "fsdp", "model"))
+        mesh = Mesh(np.arange(world), shape, ("data", "fsdp", "model"))
     else:
-        mesh = ts.Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
-    ts.set_global_mesh(mesh)
+        mesh = Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
+    set_global_mesh(mesh)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
     if tp > 1:
         shard_over_model(model, info["kind"], mesh)
 
     import functools
 
-    policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(model))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(model))
     def checkpointed(m, *a, **k):
-        return ts.FSDPv2(ts.checkpoint_module(m), *a, **k)
+        return FSDPv2(checkpoint_module(m), *a, **k)
 
     wrapper = checkpointed if cfg.precision.checkpointing else None
     meta_init = model_cfg.meta_init and not cfg.model.pretrained  # initialised here (else loaded)
-    if meta_init and on_xla:  # lazy tensors: nothing is allocated until marked sharded and run
+    if meta_init and lazy:  # lazy tensors: nothing is allocated until marked sharded and run
         _materialize(model, info["kind"], cfg.seed, rank)
-    model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
+    model = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
                       extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
                       compile=cfg.compile)
     if cfg.compile and rank == 0:
         compiled = sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable",
                                                              None) is not None)
         print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
-    if meta_init and not on_xla:
+    if meta_init and not lazy:
         # each shard draws its own values; the processes along 'model' hold the same FSDP
         # shards of what is not split over 'model', which must agree
         _materialize(model, info["kind"], cfg.seed, rank // tp)
     if pretrained_on_meta:
-        load_pretrained(model, cfg.model.pretrained, ts.device())
+        load_pretrained(model, cfg.model.pretrained, runtime.device())
     n_params = sum(p.numel() for p in model.parameters())
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -465,7 +428,7 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            fused=cfg.optim.fused and not on_xla)  # fused AdamW runs on CPU/CUDA, not XLA
+                            fused=cfg.optim.fused and runtime.capabilities().fused_optimizers)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
     step = 0
@@ -510,22 +473,22 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         if rank == 0:
             print(f"resumed from {resume} at step {step} (saved on {state.get('world_size', '?')} devices)")
 
-    spec = ts.ShardingSpec(mesh, (("data", "fsdp"), None))
+    spec = ShardingSpec(mesh, (("data", "fsdp"), None))
     sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=step * cfg.optim.grad_accum)
-    train_iter = iter(ts.MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), ts.device(),
+    train_iter = iter(MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), runtime.device(),
                                         input_sharding=spec))
     eval_batches = []
     if len(eval_ds) >= micro:
         n_eval = min(cfg.logging.eval_batches, len(eval_ds) // micro)
         eval_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(eval_ds, range(n_eval * micro)),
                                                   batch_size=micro)
-        eval_batches = ts.MpDeviceLoader(eval_loader, ts.device(), input_sharding=spec)
+        eval_batches = MpDeviceLoader(eval_loader, runtime.device(), input_sharding=spec)
     elif cfg.data.eval_fraction > 0 and rank == 0 and not explain:
         print(f"no evaluation: the {len(eval_ds)} held-out sequences (data.eval_fraction = {cfg.data.eval_fraction}) "
               f"are fewer than one micro-batch of {micro}; raise data.eval_fraction or give more text")
     if resume is not None:  # after the train iterator, which drew its seed from the generator, as it had when saved
         torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") is not None and ts.backend() == "cuda":
+        if state.get("cuda_rng") is not None and runtime.backend() == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"])
 
     if explain:
@@ -536,14 +499,14 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     flops_per_token = 6 * n_params
     progress = _Progress(cfg, step, n_params, world) if rank == 0 else None
     bad = 0
-    nan_steps = _nan_steps()
+    nan_steps = faults.nan_steps()
     last_saved = step if resume is not None else -1
     losses: list[float] = []
     eval_loss = float("nan")
     try:
         while step < cfg.optim.max_steps:
             t0 = time.perf_counter()
-            with ts.step():
+            with runtime.step():
                 # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
                 loss_sum = 0.0
                 for _ in range(cfg.optim.grad_accum):
@@ -555,9 +518,9 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
                     loss.backward()
                     loss_sum += loss.item()
                 if cfg.optim.grad_clip > 0:
-                    grad_norm = float(ts.clip_grad_norm_(model, cfg.optim.grad_clip))
+                    grad_norm = float(clip_grad_norm_(model, cfg.optim.grad_clip))
                 else:
-                    grad_norm = float(ts.clip_grad_norm_(model, float("inf")))
+                    grad_norm = float(clip_grad_norm_(model, float("inf")))
                 # The global loss and norm are the same on every process, so all skip together. A skipped step
                 # leaves the weights, the optimizer state and the learning-rate schedule as they were.
                 finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
@@ -571,7 +534,7 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
                         print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
                 opt.zero_grad(set_to_none=True)
             step += 1
-            _inject_kill(step, rank)
+            faults.after_step(step)
             dt = time.perf_counter() - t0
             losses.append(loss_sum)
             tps = tokens_per_step / dt
@@ -588,19 +551,18 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
             if not finite and bad >= cfg.optim.max_bad_steps:  # every process decides alike and stops here
                 if progress:
                     progress.close()
-                ckpt._barrier()  # none exits (and gets its peers stopped) before all have their error
+                barrier()  # none exits (and gets its peers stopped) before all have their error
                 raise SpmdError(f"stopping at step {step}: {bad} consecutive steps had a non-finite loss or gradient "
                                 f"(optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check the data, "
                                 f"or raise optim.max_bad_steps")
             if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
                 state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
-                         "cuda_rng": torch.cuda.get_rng_state() if ts.backend() == "cuda" else None,
+                         "cuda_rng": torch.cuda.get_rng_state() if runtime.backend() == "cuda" else None,
                          "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
-                ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep,
-                          _fail_after_shards=os.environ.get(_FAIL_SAVE) == str(step), _kill_at=_save_kill_point(step))
+                ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep)
                 last_saved = step
     except BaseException:
-        if _launch.interrupted():  # Ctrl-C: where the job stands, once, instead of a traceback per process
+        if runtime.require_spmd("train").interrupted():  # Ctrl-C: where the job stands, once, instead of a traceback per process
             if progress:
                 progress.close()
             if rank == 0:
@@ -632,7 +594,13 @@ class _Progress:
 
     def __init__(self, cfg: TrainConfig, start: int, n_params: int, world: int):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.cfg = cfg
         self.console = Console()

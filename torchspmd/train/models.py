@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from torchspmd._errors import SpmdError
+from torchspmd.errors import SpmdError
 from torchspmd.models import DecoderLayer, DecoderModel, RMSNorm
 
 
@@ -90,7 +90,9 @@ def import_model_code(cfg) -> None:
         return
     try:
         import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        )
 
         model_type = pretrained_config(cfg.pretrained).model_type if cfg.pretrained else cfg.name
         getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from torchspmd.compat import not_provided
 from torchspmd.compat import _device, _steps
+from torchspmd.compat.names import not_provided
 
 __version__ = "2.9.0+torchspmd.compat"  # the torch_xla API this layer follows
 
@@ -70,9 +70,8 @@ def manual_seed(seed, device=None) -> None:
 
 
 def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool = False):
-    from torchspmd.compat import NotProvidedError, _message
 
-    raise NotProvidedError(_message("torch_xla.launch"))
+    raise NotProvidedError(message("torch_xla.launch"))
 
 
 class _XLAC:
@@ -80,14 +79,12 @@ class _XLAC:
 
     @staticmethod
     def _get_xla_sharding_spec(t) -> str:
-        from torchspmd.compat import _hlo
 
-        return _hlo.sharding_string(t)
+        return sharding_string(t)
 
     def __getattr__(self, name):
         if name.startswith("__"):  # (the import system's questions: not a package)
             raise AttributeError(name)
-        from torchspmd.compat import missing
 
         raise missing(f"torch_xla._XLAC.{name}")
 
@@ -99,9 +96,17 @@ import sys as _sys  # noqa: E402
 _sys.modules.setdefault("torch_xla._XLAC", _XLAC)
 
 # As in torch_xla, `import torch_xla` makes these available as attributes.
-from torchspmd.compat.torch_xla import runtime  # noqa: E402
+from torchspmd.compat.names import NotProvidedError, message, missing
+from torchspmd.compat.torch_xla import (  # noqa: E402,F401
+    core,
+    debug,
+    distributed,
+    experimental,
+    runtime,  # noqa: E402
+    utils,
+)
 from torchspmd.compat.torch_xla.core import xla_model  # noqa: E402,F401
-from torchspmd.compat.torch_xla import core, distributed, experimental, utils, debug  # noqa: E402,F401
+from torchspmd.engines.native.sharded_view import sharding_string
 
 xr, xm = runtime, xla_model
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-import torchspmd as _ts
-from torchspmd import runtime as _rt
-from torchspmd.compat import NotProvidedError, _message, not_provided
+from torchspmd import runtime as _ts
+from torchspmd.compat import _device
+from torchspmd.compat.names import NotProvidedError, message, not_provided
 
 
 def use_spmd(auto: bool = False) -> None:
     if auto:
-        raise NotProvidedError(_message("torch_xla.runtime.use_spmd(auto=True)"))
+        raise NotProvidedError(message("torch_xla.runtime.use_spmd(auto=True)"))
     _ts.use_spmd()
 
 
@@ -73,7 +73,6 @@ def host_index() -> int:
 
 def device_type() -> str:
     """``'CUDA'`` or ``'CPU'`` (torch_xla's PJRT names; never ``'TPU'`` here)."""
-    from torchspmd.compat import _device
 
     return _device.native().type.upper()
 

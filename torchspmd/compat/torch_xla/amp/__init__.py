@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from torchspmd.compat import not_provided
+from torchspmd.compat import _device
+from torchspmd.compat.names import not_provided
 
 
 def autocast(device=None, enabled: bool = True, dtype: torch.dtype | None = None, cache_enabled=None):
-    from torchspmd.compat import _device
 
     kwargs = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
     return torch.amp.autocast(_device.native().type, enabled=enabled, dtype=dtype or torch.bfloat16, **kwargs)

@@ -9,9 +9,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchspmd.compat import not_provided
 from torchspmd.compat import _device, _steps
+from torchspmd.compat.names import not_provided
 from torchspmd.compat.torch_xla import runtime as _xr
+from torchspmd.engines.native.state import quiet_gathers
+from torchspmd.errors import SpmdError
 
 
 def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
@@ -97,7 +99,6 @@ def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list[bytes]:
         raise TypeError(f"rendezvous(payload=...): expected bytes, got {type(payload).__name__}")
     n = dist.get_world_size() if dist.is_initialized() else 1
     if replicas and sorted(replicas) != list(range(n)):
-        from torchspmd._errors import SpmdError
 
         raise SpmdError(f"rendezvous(replicas={list(replicas)!r}): a rendezvous of some of the {n} processes is "
                         f"not provided under --xla-compat (every process runs the one program); leave replicas "
@@ -132,7 +133,6 @@ def _gathered(data):
 def save(data, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
     """``torch.save`` of CPU copies of whole tensors (sharded ones are gathered: every
     process must call it). With ``master_only`` (the default) rank 0 writes."""
-    from torchspmd.fsdp.utils import quiet_gathers
 
     with quiet_gathers():
         cpu = _gathered(data)

@@ -12,7 +12,8 @@ import resource
 import torch
 
 from torchspmd import runtime as _rt
-from torchspmd.compat import not_provided
+from torchspmd.compat import _device
+from torchspmd.compat.names import not_provided
 
 
 def counter_names() -> list[str]:
@@ -48,15 +49,14 @@ def clear_all() -> None:
 
 
 def metrics_report() -> str:
-    from torchspmd.compat import _device
 
     dev = _device.native()
     lines = [
         "torchspmd --xla-compat (PyTorch's engine: operations run eagerly, no XLA graphs are compiled)",
-        f"Engine: {_rt._STATE.backend or 'not started (use_spmd not called)'}",
+        f"Engine: {_rt.backend() if _rt.is_spmd() else 'not started (use_spmd not called)'}",
         f"Device: {dev}",
         f"Devices in the job: {_rt.global_runtime_device_count() if _rt.is_spmd() else 1}",
-        f"Steps ended: {_rt._STATE.step}",
+        f"Steps ended: {_rt.current_step()}",
     ]
     if dev.type == "cuda":
         lines.append(f"Peak device memory: {torch.cuda.max_memory_allocated(dev) / 2**20:.1f} MiB")

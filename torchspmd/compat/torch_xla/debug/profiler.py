@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from torchspmd.compat import NotProvidedError, _message, not_provided
+from torchspmd.compat import _steps
+from torchspmd.compat.names import NotProvidedError, message, not_provided
 
 _PROFILE: list = []
 
@@ -28,7 +29,7 @@ def start_server(port: int, only_on_master: bool = True) -> _Server:
 
 
 def trace(service_addr: str, logdir: str, duration_ms: int = 1000, *args, **kwargs):
-    raise NotProvidedError(_message("torch_xla.debug.profiler.trace"))
+    raise NotProvidedError(message("torch_xla.debug.profiler.trace"))
 
 
 def start_trace(log_dir, create_perfetto_link: bool = False, create_perfetto_trace: bool = False) -> None:
@@ -71,7 +72,6 @@ class StepTrace(Trace):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         if exc[0] is None:
-            from torchspmd.compat import _steps
 
             _steps.end_step()
         return False

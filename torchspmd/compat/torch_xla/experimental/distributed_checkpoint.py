@@ -19,9 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
-from torchspmd._errors import SpmdError
-from torchspmd.checkpoint import _barrier, _fsync_dir, _rank
-from torchspmd.compat import not_provided
+from torchspmd.checkpoint_files import barrier, fsync_dir, rank
+from torchspmd.compat.names import not_provided
+from torchspmd.errors import SpmdError
 
 
 class SPMDSavePlanner(DefaultSavePlanner):
@@ -34,7 +34,7 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
 
 
 def _sync_dir(path: str) -> None:
-    _fsync_dir(Path(path))
+    fsync_dir(Path(path))
 
 
 class CheckpointManager:
@@ -51,12 +51,12 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep or 0
         self.process_group = process_group
         self.chkpt_on_preemption = chkpt_on_preemption
-        if _rank() == 0:
+        if rank() == 0:
             os.makedirs(self.base_path, exist_ok=True)
             for name in os.listdir(self.base_path):  # what an interrupted save left
                 if name.startswith(".") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(self.base_path, name), ignore_errors=True)
-        _barrier()
+        barrier()
 
     def _path(self, step: int) -> str:
         return os.path.join(self.base_path, str(step))
@@ -77,15 +77,15 @@ class CheckpointManager:
     def _save(self, step: int, state_dict) -> None:
         final = self._path(step)
         tmp = os.path.join(self.base_path, f".{step}.tmp")
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        _barrier()
+        barrier()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                      planner=SPMDSavePlanner(), process_group=self.process_group)
-        if _rank() == 0:
+        if rank() == 0:
             _sync_dir(tmp)
             old = None
             if os.path.exists(final):
@@ -98,7 +98,7 @@ class CheckpointManager:
             if self.max_to_keep > 0:
                 for s in self.all_steps()[:-self.max_to_keep]:
                     shutil.rmtree(self._path(s), ignore_errors=True)
-        _barrier()
+        barrier()
 
     def save(self, step: int, state_dict, force: bool | None = False) -> bool:
         if self.should_save(step) or force:

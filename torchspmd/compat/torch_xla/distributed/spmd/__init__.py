@@ -3,22 +3,24 @@ annotations. ``mark_sharding`` annotates a parameter or buffer in place (and ret
 sharded tensor: a DTensor on the native engine, where torch_xla returns an
 ``XLAShardedTensor``)."""
 
-from torchspmd import (  # noqa: F401
+from torchspmd.compat.names import not_provided
+from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
+from torchspmd.mesh import (  # noqa: F401
     HybridMesh,
     Mesh,
+    get_1d_mesh,
+    get_global_mesh,
+    set_global_mesh,
+)
+from torchspmd.sharding import (  # noqa: F401
     ShardingSpec,
     clear_sharding,
     disable_manual_sharding,
     enable_manual_sharding,
-    get_1d_mesh,
-    get_global_mesh,
     mark_sharding,
     mark_sharding_with_gradients,
-    set_global_mesh,
 )
-from torchspmd import ShardingType, XLAShard  # noqa: F401
-from torchspmd.compat import not_provided
-from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
+from torchspmd.xla_shards import ShardingType, XLAShard  # noqa: F401
 
 
 def apply_backward_optimization_barrier(m) -> None:

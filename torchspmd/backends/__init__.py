@@ -1,1 +1,0 @@
-"""Engines other than the native one. ``xla``: torch_xla's GSPMD (TPUs)."""

@@ -1,0 +1,294 @@
+"""The native engine: PyTorch's own distributed stack (DeviceMesh, DTensor, FSDP2, c10d, DCP,
+torchrun), one process per device, on CUDA (NCCL) and CPUs (gloo).
+
+``start`` joins the process group a launcher made (torchrun, ``torchspmd run``), or, for a
+plain ``python script.py`` with several devices, re-launches the script once per device and
+exits with the workers' status. Every process then continues from rank 0's random state and
+the global view's patches are applied (``torchspmd.patches``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchspmd import hlo, sharding_table
+from torchspmd.engines.base import Capabilities, Engine
+from torchspmd.engines.native import (
+    activation_checkpointing,
+    data,
+    data_parallel,
+    exact_ops,
+    failures,
+    fsdp,
+    implicit_replication,
+    launcher,
+    module_slots,
+    optimizer_steps,
+    rng,
+    sharded_view,
+    sharding,
+    state,
+    topology,
+)
+from torchspmd.engines.native.collectives import CHOICES
+from torchspmd.engines.native.device_mesh import device_mesh
+from torchspmd.errors import SpmdError
+from torchspmd.patches import dtensor as dtensor_patches
+
+# The native engine (DTensor, FSDP2) is tested on these torch versions; torch 2.9's DTensor lacks
+# sharding rules it relies on (detach_, masked_fill_, argmax, batch norm). torch_xla 2.9 (the
+# torch_xla engine) needs torch 2.9, so the package's own requirement stays torch>=2.9.
+TESTED_TORCH = "2.13"
+
+
+class OlderTorchWarning(UserWarning):
+    """The native engine runs on a torch older than the one it is tested with."""
+
+
+class NativeEngine(Engine):
+    name = "native"
+    backends = ("cpu", "cuda")
+    capabilities = Capabilities(process_per_device=True, static_shapes=False, lazy_tensors=False, fused_optimizers=True,
+                                hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=True,
+                                shared_memory_collectives=True)
+
+    def __init__(self):
+        self._owns_process_group = False
+        self._backend: str | None = None
+
+    # -- choice and start ----------------------------------------------------------------------
+    def default_backend(self) -> str:
+        return topology.default_backend()
+
+    def usable(self, backend: str, where: str, explicit: bool) -> str | None:
+        if backend == "cuda" and not torch.cuda.is_available():
+            fix = "backend='cpu'" if explicit else "TORCHSPMD_BACKEND=cpu"
+            return (f"{where}: no CUDA device is visible to PyTorch (torch.cuda.is_available() is False); use "
+                    f"{fix}")
+        return None
+
+    def start(self, backend: str, *, auto: bool, num_devices: int | None) -> torch.device:
+        if auto:
+            raise SpmdError(
+                "use_spmd(auto=True): auto-sharding is torch_xla's (the torch_xla engine); the native engine does "
+                "not support it: annotate shardings with mark_sharding / FSDPv2 instead"
+            )
+        if not topology.launched() and not dist.is_initialized():
+            n = topology.configured_processes(backend, num_devices)
+            if n > 1:
+                raise SystemExit(launcher.relaunch_current_script(n))
+        self._init_process_group(backend)
+        if dist.get_rank() == 0:
+            _warn_older_torch(backend)
+        failures.record_failures()  # uncaught errors -> torchrun's error file, for the summary
+        self._backend = backend
+        topology.set_device_type(backend)
+        if backend == "cuda":
+            local = topology.local_rank()
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        else:
+            device = torch.device("cpu")
+        # One program: every process continues from rank 0's random state (docs/guide.md).
+        rng.synchronize(backend)
+        module_slots.install()
+        implicit_replication.install()
+        exact_ops.install()
+        optimizer_steps.install()
+        sharded_view.install()
+        data_parallel.install_auto()
+        dtensor_patches.guard_uneven_gathers()
+        if dist.get_rank() != 0 and not topology.all_ranks_output():
+            # The global view: the program prints once, as one process would.
+            sys.stdout = open(os.devnull, "w")
+            warnings.simplefilter("ignore")
+        return device
+
+    def _init_process_group(self, backend: str) -> None:
+        if dist.is_initialized():
+            return
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo"
+        if topology.launched():
+            dist.init_process_group(pg_backend)
+        else:
+            dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._owns_process_group = True
+        atexit.register(self._shutdown)
+
+    def _shutdown(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    # -- topology ------------------------------------------------------------------------------
+    def global_runtime_device_count(self) -> int:
+        return topology.world_size()
+
+    def global_device_count(self) -> int:
+        return topology.world_size()
+
+    def addressable_runtime_device_count(self) -> int:
+        return topology.local_size()
+
+    def addressable_device_count(self) -> int:
+        return topology.local_size()
+
+    def local_device_count(self) -> int:
+        return topology.local_size()
+
+    def global_ordinal(self) -> int:
+        return topology.rank()
+
+    def local_ordinal(self) -> int:
+        return topology.local_rank()
+
+    def process_index(self) -> int:
+        return topology.rank()
+
+    def process_count(self) -> int:
+        return topology.world_size()
+
+    def world_size(self) -> int:
+        return topology.world_size()
+
+    def planned_processes(self, backend: str, num_devices: int | None) -> int:
+        if topology.launched():
+            return int(os.environ["WORLD_SIZE"])
+        return topology.configured_processes(backend, num_devices)
+
+    def describe(self, backend: str) -> list[str]:
+        return [f"local devices {topology.configured_processes(backend)}"]
+
+    def interrupted(self) -> bool:
+        return failures.interrupted()
+
+    def peak_memory_gb(self) -> float | None:
+        if self._backend == "cuda" and torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**30
+        return None
+
+    # -- steps ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, index: int = 0) -> Iterator[None]:
+        with torch.profiler.record_function(f"torchspmd.step#{index}"):
+            yield
+
+    def sync(self) -> None:
+        """Work is issued eagerly: nothing to flush."""
+
+    # -- meshes --------------------------------------------------------------------------------
+    def own_class(self, kind: str) -> type | None:
+        return {"MpDeviceLoader": data.MpDeviceLoader, "FSDPv2": fsdp.SpmdFullyShardedDataParallel}.get(kind)
+
+    def device_mesh(self, mesh):
+        return device_mesh(mesh)
+
+    # -- sharding ------------------------------------------------------------------------------
+    def mark_sharding(self, t, mesh, spec, resolved):
+        return sharding.mark_sharding(t, mesh, resolved)
+
+    def mark_sharding_with_gradients(self, t, mesh, spec, resolved):
+        return sharding.mark_sharding_with_gradients(t, mesh, resolved)
+
+    def enable_manual_sharding(self, t, mesh, spec, resolved):
+        return sharding.enable_manual_sharding(t, mesh, resolved)
+
+    def disable_manual_sharding(self, t, mesh, spec, resolved, full_shape):
+        return sharding.disable_manual_sharding(t, mesh, spec, resolved, full_shape)
+
+    def clear_sharding(self, t):
+        return sharding.clear_sharding(t)
+
+    def get_sharding(self, t):
+        return sharding.get_sharding(t)
+
+    def visualize_sharding(self, t, use_color: bool):
+        if isinstance(t, str):
+            return sharding_table.render(hlo.cells(t, topology.world_size()), topology.device_type().upper(),
+                                         use_color)
+        cells, kind = sharding.sharding_cells(t)
+        return sharding_table.render(cells, kind, use_color)
+
+    # -- data ----------------------------------------------------------------------------------
+    def loader(self, loader, device, input_sharding, **options):
+        return data.MpDeviceLoader(loader, device, input_sharding=input_sharding, **options)
+
+    def shard_batch(self, batch: Any, input_sharding, device) -> Any:
+        return data.shard_batch(batch, input_sharding, device)
+
+    # -- wrappers ------------------------------------------------------------------------------
+    def replicate(self, module, mesh, data_dims, shard_output, ddp_kwargs):
+        return data_parallel.replicate(module, mesh, data_dims, shard_output, ddp_kwargs)
+
+    def fully_shard(self, module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable, extra_data_axis,
+                    options):
+
+        if options.get("collectives", "auto") not in CHOICES:
+            raise SpmdError(f"FSDPv2(collectives={options['collectives']!r}): choose one of {', '.join(CHOICES)}")
+        return fsdp.SpmdFullyShardedDataParallel(module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable,
+                                                 extra_data_axis, **options)
+
+    def shard_in_place(self, module, mesh, shard_output, extra_data_axis, options):
+        return fsdp.shard_in_place(module, mesh, shard_output, extra_data_axis, **options)
+
+    def is_fully_sharded(self, module) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(module, (fsdp.SpmdFullyShardedDataParallel, FSDPModule))
+
+    def checkpoint_module(self, module):
+        return activation_checkpointing.checkpoint_module(module)
+
+    # -- gradients and state -------------------------------------------------------------------
+    def clip_grad_norm_(self, params, max_norm, norm_type, error_if_nonfinite):
+        return state.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    def full_state_dict(self, model, rank0_only, cpu):
+        return state.full_state_dict(model, rank0_only=rank0_only, cpu=cpu)
+
+    def load_full_state_dict(self, model, state_dict, strict):
+        return state.load_full_state_dict(model, state_dict, strict=strict)
+
+    # -- sharded checkpoints -------------------------------------------------------------------
+    def save_state(self, state_dict: dict, storage_writer) -> None:
+        dcp.save(state_dict, storage_writer=storage_writer)
+
+    def load_state(self, state_dict: dict, storage_reader) -> None:
+        dcp.load(state_dict, storage_reader=storage_reader)
+
+    def prime_optimizer(self, optimizer) -> None:
+        """Create the optimizer's state (e.g. Adam's moments) without changing any parameter:
+        one step with zero gradients and a learning rate of 0."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        optimizer.step()
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _warn_older_torch(backend: str) -> None:
+    """Say once (rank 0) that this torch is older than the native engine's tested one: some
+    operations then fail inside DTensor, on whichever first lacks a sharding rule."""
+    if torch.__version__ >= TESTED_TORCH:
+        return
+    warnings.warn(
+        f"use_spmd(): the native engine ({backend}) is tested on torch>={TESTED_TORCH}, this is torch "
+        f"{torch.__version__}: its DTensor lacks sharding rules the engine relies on (on torch 2.9: detach_, "
+        f"masked_fill_, argmax, batch norm), and programs that reach one fail there (NotImplementedError). "
+        f"Install torch>={TESTED_TORCH}, or run on the torch_xla engine (torch_xla of this torch's version, with "
+        f"PJRT_DEVICE set or TORCHSPMD_BACKEND=xla)", OlderTorchWarning, stacklevel=4)

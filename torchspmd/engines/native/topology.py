@@ -1,0 +1,98 @@
+"""The native engine's topology: one process per device, started by a launcher (torchrun,
+``torchspmd run``) or by ``use_spmd()`` relaunching the script, before and after start."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from torchspmd.errors import SpmdError
+
+ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"  # local processes to use, any device type
+XLA_CPU_NUM_DEVICES = "CPU_NUM_DEVICES"  # torch_xla's name, honoured on CPU too
+
+ALL_RANKS_OUTPUT = "TORCHSPMD_ALL_RANKS_OUTPUT"
+
+
+def all_ranks_output() -> bool:
+    """``TORCHSPMD_ALL_RANKS_OUTPUT`` set to anything but ``0`` (or empty): every rank prints."""
+    return os.environ.get(ALL_RANKS_OUTPUT, "").strip() not in ("", "0")
+
+
+_STATE = {"device_type": None}
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, torchspmd run) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def parse_count(value: str, source: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise SpmdError(f"{source}={value!r} is not an integer; set it to the number of devices") from None
+    if n < 1:
+        raise SpmdError(f"{source}={n}: the number of devices must be at least 1; set it to the number of "
+                        f"processes to run, or unset it")
+    return n
+
+
+def configured_processes(backend: str, num_devices: int | None = None) -> int:
+    """Processes this host runs when the script was not started by a launcher (one per device)."""
+    if num_devices is not None:
+        if not isinstance(num_devices, int) or num_devices < 1:
+            raise SpmdError(f"use_spmd(num_devices={num_devices!r}): give a positive integer")
+        return num_devices
+    if os.environ.get(ENV_NUM_DEVICES):
+        return parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES)
+    if backend == "cuda":
+        return torch.cuda.device_count()
+    if os.environ.get(XLA_CPU_NUM_DEVICES):
+        return parse_count(os.environ[XLA_CPU_NUM_DEVICES], XLA_CPU_NUM_DEVICES)
+    return 1
+
+
+def default_backend() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def world_size() -> int:
+    """Devices (processes) in the whole job."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if launched():
+        return int(os.environ["WORLD_SIZE"])
+    return configured_processes(default_backend())
+
+
+def local_size() -> int:
+    """Devices (processes) on this host."""
+    if launched():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return configured_processes(default_backend())
+
+
+def rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def set_device_type(device_type: str) -> None:
+    _STATE["device_type"] = device_type
+
+
+def device_type() -> str:
+    """``cpu`` or ``cuda``: the started engine's device type."""
+    if _STATE["device_type"] is None:
+        raise SpmdError("the native engine is not started: call torchspmd.use_spmd() first")
+    return _STATE["device_type"]

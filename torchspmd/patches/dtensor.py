@@ -1,0 +1,189 @@
+"""Changes to ``torch.distributed.tensor`` (DTensor) and ``DeviceMesh``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Callable, Iterator
+
+from torchspmd.patches import Patch, applied, apply, replace_attribute
+
+OP_HANDLERS = Patch(
+    name="DTensor op handlers",
+    library="torch",
+    what="entries in DTensor's table of custom op handlers (DTensor._op_dispatcher._custom_op_handlers): losses, "
+         "means and reductions over unevenly split rows, view, dropout and random ops per shard, item(), CPU "
+         "flash attention per row",
+    why="DTensor's own rules average per-device means (wrong for uneven splits and unevenly ignored labels), draw "
+        "one mask for every shard on CPU meshes, and lack a rule for CPU flash attention (docs/guide.md)",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="exact losses and per-shard randomness (the native engine's global view)",
+    targets=("torch.distributed.tensor:DTensor._op_dispatcher._custom_op_handlers",),
+)
+
+
+def handlers_table() -> dict:
+    """DTensor's table of custom op handlers (op -> handler(op, args, kwargs))."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def add_op_handlers(handlers: dict) -> None:
+    def install():
+        table = handlers_table()
+        before = {op: table[op] for op in handlers if op in table}
+        table.update(handlers)
+
+        def undo():
+            for op in handlers:
+                if op in before:
+                    table[op] = before[op]
+                else:
+                    table.pop(op, None)
+
+        return undo
+
+    apply(OP_HANDLERS, install)
+
+
+@contextlib.contextmanager
+def without_handler(op) -> Iterator[None]:
+    """DTensor's own handling of ``op`` inside the block (the handler set aside)."""
+    table = handlers_table()
+    mine = table.pop(op)
+    try:
+        yield
+    finally:
+        table[op] = mine
+
+
+UNEVEN_GATHERS = Patch(
+    name="torch.distributed.tensor._redistribute._optimize_transform_infos",
+    library="torch",
+    what="DTensor's merging of the per-axis all-gathers of a value split over several mesh axes into one over "
+         "their flattened mesh is skipped when the dim does not divide evenly",
+    why="torch 2.13 merges them without checking evenness: the nested split (9 over 2 then 2: 3, 2, 2, 2) is not "
+        "the flat one (3, 3, 3, 0) and the gathered value is wrong (torch checks this for reduce-scatters only)",
+    checked="2.13.0, 2.14.1",
+    feature="uneven tensors split over several mesh axes",
+    targets=("torch.distributed.tensor._redistribute:_optimize_transform_infos",),
+)
+
+
+def guard_uneven_gathers() -> None:
+    """Keep per-axis all-gathers for values that do not divide evenly (torch 2.9 has no
+    merging to guard: nothing to do there)."""
+    try:
+        r = importlib.import_module("torch.distributed.tensor._redistribute")
+    except ImportError:
+        return
+    if not hasattr(r, "_optimize_transform_infos"):
+        return  # an older torch: it does not merge
+
+    def install():
+        original = r._optimize_transform_infos
+
+        def guarded(transform_infos, device_mesh, *args, **kwargs):
+            dims: dict[int, tuple[int, int]] = {}
+            for info in transform_infos:
+                src = info.src_dst_placements[0]
+                if info._comm_type_key() == "all_gather" and src.is_shard():
+                    size, ways = dims.get(src.dim, (0, 1))
+                    dims[src.dim] = (max(size, info.logical_shape[src.dim]), ways * device_mesh.size(info.mesh_dim))
+            if any(size % ways for size, ways in dims.values()):
+                return transform_infos
+            return original(transform_infos, device_mesh, *args, **kwargs)
+
+        return replace_attribute(r, "_optimize_transform_infos", guarded)
+
+    apply(UNEVEN_GATHERS, install)
+
+
+GROUPS_IN_MESH_ORDER = Patch(
+    name="torch.distributed.device_mesh.new_group (sort_ranks=False)",
+    library="torch",
+    what="while a DeviceMesh over reordered devices is built, its process groups keep the mesh's order",
+    why="DeviceMesh builds groups from sorted ranks while DTensor places shards by mesh coordinate: on a "
+        "reordered mesh values come out permuted",
+    checked="2.13.0, 2.14.1",
+    feature="meshes over devices in another order than 0..n-1",
+    targets=("torch.distributed.device_mesh:new_group",),
+)
+
+
+def groups_in_mesh_order():
+    """A context: DeviceMesh's groups list their members in the order given."""
+    def install():
+        import torch.distributed.device_mesh as device_mesh_module
+
+        original = device_mesh_module.new_group
+
+        def in_mesh_order(*args, **kwargs):
+            kwargs["sort_ranks"] = False
+            return original(*args, **kwargs)
+
+        return replace_attribute(device_mesh_module, "new_group", in_mesh_order)
+
+    return applied(GROUPS_IN_MESH_ORDER, install)
+
+
+REDISTRIBUTION_COUNT = Patch(
+    name="torch.distributed.tensor redistribute_local_tensor (counting)",
+    library="torch",
+    what="while a forward is checked, DTensor's redistribute_local_tensor (as its dispatcher, its API and its "
+         "redistribute module call it) counts the redistributions that change a layout",
+    why="the automatic data-parallel path runs a forward locally only once one forward through DTensor moved "
+        "no data",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="the automatic data-parallel path",
+    targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
+)
+
+_REDISTRIBUTING_MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
+                           "torch.distributed.tensor._api")
+
+
+def counting_redistributions(seen: Callable[[], None]):
+    """A context: ``seen()`` for every redistribution that changes placements or mesh."""
+    def install():
+        undo = []
+        for name in _REDISTRIBUTING_MODULES:
+            mod = importlib.import_module(name)
+            original = getattr(mod, "redistribute_local_tensor", None)
+            if original is None:  # another torch: its redistributions there go uncounted, so count one now
+                seen()
+                continue
+
+            def counting(local, current_spec, target_spec, *a, _original=original, **k):
+                if current_spec.placements != target_spec.placements or current_spec.mesh != target_spec.mesh:
+                    seen()
+                return _original(local, current_spec, target_spec, *a, **k)
+
+            undo.append(replace_attribute(mod, "redistribute_local_tensor", counting))
+        return lambda: [u() for u in reversed(undo)]
+
+    return applied(REDISTRIBUTION_COUNT, install)
+
+
+XLA_SHARDED_TENSOR = Patch(
+    name="DTensor: XLAShardedTensor attributes",
+    library="torch",
+    what="DTensor gets torch_xla's XLAShardedTensor attributes global_tensor, local_shards, sharding_spec, "
+         "sharding_type and load_local_shards_ (only names DTensor lacks)",
+    why="mark_sharding returns a DTensor where torch_xla returns an XLAShardedTensor; programs read these",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="torch_xla's XLAShardedTensor view",
+    targets=("torch.distributed.tensor:DTensor",),
+)
+
+
+def add_dtensor_attributes(attributes: dict) -> None:
+    def install():
+        from torch.distributed.tensor import DTensor
+
+        undo = [replace_attribute(DTensor, name, value) for name, value in attributes.items()
+                if not hasattr(DTensor, name)]
+        return lambda: [u() for u in reversed(undo)]
+
+    apply(XLA_SHARDED_TENSOR, install)

@@ -1,0 +1,239 @@
+"""Changes to core torch objects: module registration and forward hooks, the global
+function mode, optimizers' step wrapper, and (``--xla-compat``) the ``'xla'`` device."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from torchspmd.patches import Patch, applied, apply, replace_attribute
+
+MODULE_SLOTS = Patch(
+    name="torch.nn.Module registration hooks",
+    library="torch",
+    what="global parameter and buffer registration hooks record which module slots hold each tensor",
+    why="mark_sharding annotates in place, as torch_xla: the sharded tensor goes into every slot that held the "
+        "old one, found without walking the garbage collector",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="mark_sharding in place",
+    targets=("torch.nn.modules.module:register_module_parameter_registration_hook",
+             "torch.nn.modules.module:register_module_buffer_registration_hook"),
+)
+
+
+def record_registrations(parameter: Callable, buffer: Callable) -> None:
+    """``parameter(module, name, p)`` / ``buffer(module, name, b)`` on every registration."""
+    from torch.nn.modules import module
+
+    def install():
+        handles = [module.register_module_parameter_registration_hook(parameter),
+                   module.register_module_buffer_registration_hook(buffer)]
+        return lambda: [h.remove() for h in handles]
+
+    apply(MODULE_SLOTS, install)
+
+
+GLOBAL_VIEW_MODE = Patch(
+    name="torch function mode: implicit replication",
+    library="torch",
+    what="a TorchFunctionMode, entered for the process, lifts plain tensors that meet DTensors to replicated "
+         "DTensors (GSPMD's unannotated means replicated) and makes host reads of sharded values whole",
+    why="the global view: a program written for one device mixes its plain tensors with the global batches",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="the global view (use_spmd on the native engine)",
+    targets=("torch.overrides:TorchFunctionMode",),
+)
+
+
+def enter_mode(mode) -> None:
+    """Enter ``mode`` for the rest of the process (until the patch is removed)."""
+    def install():
+        mode.__enter__()
+        return lambda: mode.__exit__(None, None, None)
+
+    apply(GLOBAL_VIEW_MODE, install)
+
+
+OPTIMIZER_STEPS = Patch(
+    name="torch.optim.Optimizer.profile_hook_step",
+    library="torch",
+    what="the wrapper torch puts around every optimizer class's step; classes already built are wrapped again",
+    why="a data-parallel program's optimizer step (plain parameters only) runs outside the global view's "
+        "function mode: no Python call per operation, as under DDP",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="the automatic data-parallel path's optimizer step",
+    targets=("torch.optim:Optimizer.profile_hook_step",),
+)
+
+
+def wrap_optimizer_steps(outer: Callable[[Callable], Callable]) -> None:
+    """``Optimizer.profile_hook_step`` becomes ``outer(step)`` then torch's own."""
+    def install():
+        original = torch.optim.Optimizer.__dict__["profile_hook_step"]
+        torch_hook = original.__func__
+
+        def hook_step(func):
+            return torch_hook(outer(func))
+
+        undo = [replace_attribute(torch.optim.Optimizer, "profile_hook_step", staticmethod(hook_step))]
+        # optimizer classes already built once (before use_spmd(), or in the process this one
+        # was forked from) had their step wrapped by torch's hook: wrap it again by this one
+        pending = list(torch.optim.Optimizer.__subclasses__())
+        while pending:
+            cls = pending.pop()
+            pending.extend(cls.__subclasses__())
+            step = cls.__dict__.get("step")
+            if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+                new = hook_step(step.__wrapped__)
+                new.hooked = True
+                undo.append(replace_attribute(cls, "step", new))
+        return lambda: [u() for u in reversed(undo)]
+
+    apply(OPTIMIZER_STEPS, install)
+
+
+MODULE_FORWARD_HOOKS = Patch(
+    name="torch.nn.Module global forward hooks",
+    library="torch",
+    what="global forward pre- and post-hooks on every module call",
+    why="the automatic data-parallel path finds the outermost module a program calls on global batches",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="the automatic data-parallel path",
+    targets=("torch.nn.modules.module:register_module_forward_pre_hook",
+             "torch.nn.modules.module:register_module_forward_hook",
+             "torch.nn.modules.module:_global_forward_pre_hooks",
+             "torch.nn.modules.module:_global_forward_hooks"),
+)
+
+
+def global_forward_hooks(pre: Callable, post: Callable) -> list:
+    """Register ``pre`` and ``post`` (``with_kwargs``, ``always_call``) for every module;
+    returns their handles (the path sets them aside while a module computes locally)."""
+    from torch.nn.modules import module
+
+    handles: list = []
+
+    def install():
+        handles.append(module.register_module_forward_pre_hook(pre))
+        handles.append(module.register_module_forward_hook(post, with_kwargs=True, always_call=True))
+        return lambda: [h.remove() for h in handles]
+
+    apply(MODULE_FORWARD_HOOKS, install)
+    return handles
+
+
+def global_forward_hook_tables() -> tuple[dict, dict]:
+    """torch's tables of global forward pre-hooks and hooks (ordered dicts by handle id)."""
+    from torch.nn.modules import module
+
+    return module._global_forward_pre_hooks, module._global_forward_hooks
+
+
+PARAMETERS_ON_META = Patch(
+    name="torch.nn.Module.register_parameter (meta)",
+    library="torch",
+    what="parameters registered while a model is built go to the meta device; buffers stay real",
+    why="a model too large for one process is built without memory, then materialised shard by shard",
+    checked="2.9.0, 2.13.0, 2.14.1",
+    feature="torchspmd train's model.meta_init",
+    targets=("torch.nn:Module.register_parameter",),
+)
+
+
+def parameters_on_meta():
+    """A context: parameters created inside it are on the meta device."""
+    def install():
+        original = nn.Module.register_parameter
+
+        def register(module, name, param):
+            original(module, name, param)
+            if param is not None and param.device.type != "meta":
+                p = module._parameters[name]
+                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+        return replace_attribute(nn.Module, "register_parameter", register)
+
+    return applied(PARAMETERS_ON_META, install)
+
+
+XLA_DEVICE = Patch(
+    name="torch: the 'xla' device",
+    library="torch",
+    what="Tensor.to, Tensor.new_*, every torch.* factory with a device argument and torch.autocast take 'xla' "
+         "(or 'xla:N', torch.device('xla')) to mean this process's device",
+    why="--xla-compat: torch_xla programs name the 'xla' device, which PyTorch cannot use without torch_xla",
+    checked="2.13.0, 2.14.1",
+    feature="--xla-compat",
+    targets=("torch:Tensor.to", "torch:autocast", "torch.amp:autocast", "torch.utils._device:_device_constructors"),
+)
+
+
+def map_device(is_xla: Callable, native: Callable) -> None:
+    """Calls given a device for which ``is_xla(d)`` holds get ``native()`` instead."""
+    def wrap_device_kwarg(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            d = kwargs.get("device")
+            if d is not None and is_xla(d):
+                kwargs["device"] = native()
+            return fn(*args, **kwargs)
+
+        return call
+
+    def wrap_to(fn):
+        @functools.wraps(fn)
+        def to(self, *args, **kwargs):
+            if args and is_xla(args[0]):
+                args = (native(),) + args[1:]
+            d = kwargs.get("device")
+            if d is not None and is_xla(d):
+                kwargs["device"] = native()
+            return fn(self, *args, **kwargs)
+
+        return to
+
+    class Autocast(torch.amp.autocast):
+        def __init__(self, device_type="cuda", *args, **kwargs):
+            if is_xla(device_type):
+                device_type = native().type
+            super().__init__(device_type, *args, **kwargs)
+
+    def install():
+        # torch.device('meta') as a context manager (and set_default_device) gives a device to
+        # the factories found in a set of functions that torch builds once, when first asked,
+        # from the torch.* attributes: built after the wrapping it would hold the wrappers, never
+        # the functions the mode is called with, and factories would ignore the context
+        # (transformers then initializes a model's non-persistent buffers on meta and loads
+        # them as garbage). Build it now, from torch's own functions.
+        from torch.utils import _device as torch_device
+
+        torch_device._device_constructors()
+        undo = [replace_attribute(torch.Tensor, "to", wrap_to(torch.Tensor.to))]
+        for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided"):
+            undo.append(replace_attribute(torch.Tensor, name, wrap_device_kwarg(getattr(torch.Tensor, name))))
+        for name in _factories():
+            undo.append(replace_attribute(torch, name, wrap_device_kwarg(getattr(torch, name))))
+        undo.append(replace_attribute(torch, "autocast", Autocast))
+        undo.append(replace_attribute(torch.amp, "autocast", Autocast))
+        return lambda: [u() for u in reversed(undo)]
+
+    apply(XLA_DEVICE, install)
+
+
+def _factories() -> list[str]:
+    """Functions in ``torch`` documented with a ``device`` argument (the factories)."""
+    names = []
+    for name in dir(torch):
+        if name.startswith("_"):
+            continue
+        fn = getattr(torch, name, None)
+        if not callable(fn) or isinstance(fn, type):
+            continue
+        doc = getattr(fn, "__doc__", None) or ""
+        if "device (:class:`torch.device`" in doc or "device=None" in doc:
+            names.append(name)
+    names += [n for n in ("normal", "scalar_tensor") if hasattr(torch, n)]
+    return sorted(set(names))
