@@ -33,7 +33,7 @@ model, has transformers loaded). The scaling run trains torchspmd FSDPv2 on 1, 2
 ``--dtype bf16`` runs every strategy's forward and loss under bf16 autocast
 (``torch.autocast('cpu')``; ``torch.autocast('xla')`` for torch_xla's runs) over fp32
 parameters, gradients and Adam state (the like-for-like bf16 comparison), writing
-``suite_bf16.*`` (and README.md's ``bench-bf16`` block, if it has one). torch_xla's Llama
+``suite_bf16.*``. torch_xla's Llama
 then uses transformers' eager attention (its SDPA fails under XLA's autocast: ``_xla_attn``).
 
 ``--2d`` runs only the 2D comparison (tensor parallel x FSDP, 4 processes on a (2, 2)
@@ -56,8 +56,7 @@ this shared machine falls on every strategy alike. The tables give the median an
 min-max over the runs, and ratios per round (this round's run against this round's
 FSDP2, or torch_xla's FSDPv2) as median and min-max: a ratio whose range straddles 1 is
 not a difference. Writes ``suite.md``, ``suite.json`` and ``suite.png`` under ``--out``
-(default ``bench/results``; there, the table also goes into README.md between its bench
-markers).
+(default ``bench/results``) and nothing else: no other file, README.md included, is edited.
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -630,8 +628,7 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: every strategy's forward and loss under bf16 autocast (torch.autocast on 'cpu', on "
                         "'xla' for torch_xla), fp32 parameters, gradients and Adam state; results go to suite_bf16.*")
-    p.add_argument("--out", default=str(HERE / "results"), help="where the results go (README.md is updated only "
-                                                                "for the default)")
+    p.add_argument("--out", default=str(HERE / "results"), help="where the results files go")
     p.add_argument("--tables-from", metavar="JSON",
                    help="run nothing: write the tables, suite.json and the chart of a suite.json again, under --out")
     p.add_argument("--worker")
@@ -758,8 +755,8 @@ def _stem(dtype: str) -> str:
 
 def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, warmup: int, repeats: int,
            command: str, dtype: str = "fp32") -> None:
-    """The tables (suite.md, README.md's block when ``out`` is bench/results), suite.json and
-    suite.png of these results (suite_bf16.* and README.md's bf16 block for ``dtype="bf16"``)."""
+    """The tables (suite.md), suite.json and suite.png of these results under ``out``
+    (suite_bf16.* for ``dtype="bf16"``); no other file is written."""
     import torch
 
     stem = _stem(dtype)
@@ -802,14 +799,6 @@ def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, wa
                                                   "command": command, "run": max([1, *later]), "dtype": dtype},
                                                  indent=1))
     _plot(results, scaling, out / f"{stem}.png")
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    mark = "bench" if dtype == "fp32" else f"bench-{dtype}"
-    block = (f"<!-- {mark}:start -->\n" + text.split("\n", 2)[2] + f"\n![](bench/results/{stem}.png)\n"
-             f"<!-- {mark}:end -->")
-    if f"<!-- {mark}:start -->" in body and out.resolve() == (HERE / "results").resolve():
-        body = re.sub(rf"<!-- {mark}:start -->.*?<!-- {mark}:end -->", lambda m: block, body, flags=re.S)
-        readme.write_text(body)
     print(text)
 
 

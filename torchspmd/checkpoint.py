@@ -142,84 +142,101 @@ def save(root: str | Path, step: int, model, optimizer, state: dict[str, Any], c
     The tests inject faults here through ``torchspmd.faults`` (a crash once the shards are
     written, a process killed at a point of the save).
     """
-    engine = engines.current("checkpoint save")
-    root = Path(root)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp"
-    unsaved = f"checkpoint {final} was not saved"
+    writing = _Save(Path(root), step)
+    on_rank0(writing.make_tmp, lambda e: f"{writing.unsaved}: {writing.tmp} cannot be made ({why(e)}, on process 0); "
+                                         f"{writing.unchanged}")
+    sums = writing.shards(model, optimizer)
+    on_rank0(lambda: writing.finish(sums, state, config_toml, optimizer, keep), writing.failed)
+    return writing.final
+
+
+class _Save:
+    """The steps of one save: a temporary directory; every process's shards (DCP) and their
+    hashes; then, on rank 0, the other files, the atomic rename and the pruning."""
+
     unchanged = "the checkpoints saved before it are unchanged"
 
-    def make_tmp() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+    def __init__(self, root: Path, step: int):
+        self.root, self.step = root, step
+        self.final = root / f"step-{step:08d}"
+        self.tmp = root / f".step-{step:08d}.tmp"
+        self.aside = root / f".step-{step:08d}.replaced"
+        self.unsaved = f"checkpoint {self.final} was not saved"
+        self.renamed = False
 
-    on_rank0(make_tmp, lambda e: f"{unsaved}: {tmp} cannot be made ({why(e)}, on process 0); {unchanged}")
-    sd = {"model": model.state_dict(), "optim": optim_state(model, optimizer)}
-    try:
-        engine.save_state(sd, faults.storage_writer(str(tmp), step, world()))
-    except CheckpointException as e:
-        # DCP's exception is a BaseException (``except Exception`` misses it) that names only the
-        # ranks. Every process has it (DCP gathers the failures): none writes any more, so rank 0
-        # can drop the unfinished directory (a full disk gets its space back).
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise SpmdError(f"{unsaved}: {shards_failed(e)}; {unchanged}") from None
-    faults.fail_after_shards(step)  # tests: a crash between the shards and the rest
-    # (DCP's save returns once its .metadata is written: every process can read it)
-    shards = sorted(storage_files(dcp.FileSystemReader(str(tmp)).read_metadata()))
-    sums = hashes(tmp, [".metadata", *shards], collective=True)
-    done = {"renamed": False}
-    aside = root / f".step-{step:08d}.replaced"
+    def make_tmp(self) -> None:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
 
-    def finish() -> None:
+    def shards(self, model, optimizer) -> dict[str, str]:
+        """The model's and optimizer's shards, written by every process; their SHA-256 sums."""
+        sd = {"model": model.state_dict(), "optim": optim_state(model, optimizer)}
+        try:
+            engines.current("checkpoint save").save_state(sd, faults.storage_writer(str(self.tmp), self.step, world()))
+        except CheckpointException as e:
+            # DCP's exception is a BaseException (``except Exception`` misses it) that names only the
+            # ranks. Every process has it (DCP gathers the failures): none writes any more, so rank 0
+            # can drop the unfinished directory (a full disk gets its space back).
+            if rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise SpmdError(f"{self.unsaved}: {shards_failed(e)}; {self.unchanged}") from None
+        faults.fail_after_shards(self.step)  # tests: a crash between the shards and the rest
+        # (DCP's save returns once its .metadata is written: every process can read it)
+        shards = sorted(storage_files(dcp.FileSystemReader(str(self.tmp)).read_metadata()))
+        return hashes(self.tmp, [".metadata", *shards], collective=True)
+
+    def finish(self, sums: dict[str, str], state: dict, config_toml: str, optimizer, keep: int) -> None:
+        """Rank 0: state.pt, config.toml, meta.json and the checksums, synced; the rename that
+        completes the checkpoint; the older ones pruned."""
         buf = io.BytesIO()
         torch.save(state, buf)
         files = {"state.pt": buf.getvalue(), "config.toml": config_toml.encode(),
-                 "meta.json": json.dumps({"step": step, "world_size": runtime.global_runtime_device_count()
+                 "meta.json": json.dumps({"step": self.step, "world_size": runtime.global_runtime_device_count()
                                           if runtime.is_spmd() else 1,
                                           "optimizer": optimizer_kind(optimizer)}).encode()}
         for name, data in files.items():
-            checkpoint_files.write_synced(tmp / name, data)
+            checkpoint_files.write_synced(self.tmp / name, data)
             sums[name] = hashlib.sha256(data).hexdigest()
-        checkpoint_files.write_synced(tmp / CHECKSUMS, json.dumps(dict(sorted(sums.items())), indent=1).encode())
-        fsync_dir(tmp)
-        faults.in_save(step, "before-rename", 0)
-        replacing = final.exists()
+        checkpoint_files.write_synced(self.tmp / CHECKSUMS, json.dumps(dict(sorted(sums.items())), indent=1).encode())
+        fsync_dir(self.tmp)
+        faults.in_save(self.step, "before-rename", 0)
+        replacing = self.final.exists()
         if replacing:  # saved by an earlier run that went further: set aside, dropped once replaced
-            if aside.exists():
-                shutil.rmtree(aside)
-            os.replace(final, aside)
-        os.replace(tmp, final)  # atomic: the checkpoint appears whole or not at all
-        done["renamed"] = True
-        fsync_dir(root)
-        faults.in_save(step, "after-rename", 0)
+            if self.aside.exists():
+                shutil.rmtree(self.aside)
+            os.replace(self.final, self.aside)
+        os.replace(self.tmp, self.final)  # atomic: the checkpoint appears whole or not at all
+        self.renamed = True
+        fsync_dir(self.root)
+        faults.in_save(self.step, "after-rename", 0)
         if replacing:
-            shutil.rmtree(aside, ignore_errors=True)
-        older = [p for p in list_checkpoints(root) if step_of(p) < step]
+            shutil.rmtree(self.aside, ignore_errors=True)
+        self.prune(keep)
+
+    def prune(self, keep: int) -> None:
+        older = [p for p in list_checkpoints(self.root) if step_of(p) < self.step]
         for old in older[:max(0, len(older) - (keep - 1))] if keep > 0 else []:
-            pruned = root / f".{old.name}.pruned"  # never a half-deleted step-N directory
+            pruned = self.root / f".{old.name}.pruned"  # never a half-deleted step-N directory
             if pruned.exists():
                 shutil.rmtree(pruned)
             os.replace(old, pruned)
             shutil.rmtree(pruned, ignore_errors=True)
 
-    def failed(e: Exception) -> str:
-        if done["renamed"]:
-            return (f"checkpoint {final} is saved, but the older checkpoints could not be pruned ({why(e)}, "
+    def failed(self, e: Exception) -> str:
+        """Rank 0's message for every process when ``finish`` raised (what was done undone)."""
+        if self.renamed:
+            return (f"checkpoint {self.final} is saved, but the older checkpoints could not be pruned ({why(e)}, "
                     f"on process 0)")
         # put back the checkpoint of this step that was set aside for the new one; drop the unfinished one
         try:
-            if aside.exists() and not final.exists():
-                os.replace(aside, final)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.aside.exists() and not self.final.exists():
+                os.replace(self.aside, self.final)
+            shutil.rmtree(self.tmp, ignore_errors=True)
         except OSError:
             pass  # clean() at the next start does it
-        return (f"{unsaved}: {why(e)} (on process 0, writing state.pt, config.toml, meta.json and {CHECKSUMS}); "
-                f"{unchanged}")
-
-    on_rank0(finish, failed)
-    return final
+        return (f"{self.unsaved}: {why(e)} (on process 0, writing state.pt, config.toml, meta.json and "
+                f"{CHECKSUMS}); {self.unchanged}")
 
 
 def check(path: str | Path, collective: bool = True):

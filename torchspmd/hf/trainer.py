@@ -299,6 +299,7 @@ class Trainer(_StockTrainer):
         config = self._spmd_config(args)
         self._spmd = config is not None
         if self._spmd:
+            transformers_patches.check_trainer_overrides()
             if kwargs.get("model_init") is not None:
                 raise SpmdError("Trainer(model_init=...): not supported with FSDPv2; pass the model itself")
             optimizers = kwargs.get("optimizers") or (None, None)

@@ -137,3 +137,24 @@ def replace_attribute(owner: Any, name: str, value: Any) -> Callable[[], None]:
             delattr(owner, name)
 
     return undo
+
+
+MODULES = ("torch", "dtensor", "fsdp", "elastic", "transformers", "accelerate", "imports")
+
+
+def catalogue() -> list[Patch]:
+    """Every patch torchspmd defines (whether applied or not), module by module."""
+    out = []
+    for name in MODULES:
+        module = importlib.import_module(f"torchspmd.patches.{name}")
+        out += [v for v in vars(module).values() if isinstance(v, Patch)]
+    return out
+
+
+def markdown() -> str:
+    """The catalogue as the table of docs/patches.md (``python -m torchspmd.patches``)."""
+    rows = ["| patch | library (checked on) | what it changes | why | needed by |", "|---|---|---|---|---|"]
+    for p in catalogue():
+        cells = [p.name, f"{p.library} ({p.checked})", p.what, p.why, p.feature]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"

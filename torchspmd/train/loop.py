@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
+import functools
 import math
 import os
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -343,243 +346,330 @@ def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> d
     return {"explanation": result}
 
 
+@dataclasses.dataclass
+class _Job:
+    """What the steps of a run share."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    out: Path
+    model: Any = None
+    info: dict = dataclasses.field(default_factory=dict)
+    vocab: int = 0
+    opt: Any = None
+    sched: Any = None
+    mesh: Any = None
+    step: int = 0
+    resumed: dict | None = None  # the rest of the checkpoint's state, when resumed
+
+    @property
+    def micro(self) -> int:
+        return self.cfg.optim.batch_size // self.cfg.optim.grad_accum
+
+
 def run(cfg: TrainConfig, explain: bool = False) -> dict:
-    import_model_code(cfg.model)  # before runtime.use_spmd() forks the workers: imported once, for all of them
+    """Train as ``cfg`` says (``torchspmd train``): start the engine, build the model and its
+    data, shard it over the mesh, resume from a checkpoint, train, sample. With ``explain``,
+    stop after one step's layouts and collectives (``torchspmd explain``)."""
+    job = _start(cfg)
+    tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
+    train_ds, eval_ds = _build(job, tokenizer)
+    job.mesh = _mesh(job)
+    _parallelize(job)
+    _optimizer(job)
+    _resume(job)
+    train_iter, eval_batches = _loaders(job, train_ds, eval_ds, explain)
+    if job.resumed is not None:  # after the train iterator, which drew its seed from the generator, as when saved
+        torch.set_rng_state(job.resumed["rng"])
+        if job.resumed.get("cuda_rng") is not None and runtime.backend() == "cuda":
+            torch.cuda.set_rng_state(job.resumed["cuda_rng"])
+    if explain:
+        return _explain_one_step(job.model, job.opt, train_iter, job.vocab, cfg)
+    result = _train(job, train_iter, eval_batches)
+    result["sample"] = _finish(job, tokenizer)
+    return result
+
+
+def _start(cfg: TrainConfig) -> _Job:
+    """SPMD mode on the job's devices, and the output directory."""
+    import_model_code(cfg.model)  # before use_spmd() forks the workers: imported once, for all of them
     try:
         runtime.use_spmd(backend=cfg.mesh.backend or None, num_devices=device_count(cfg))
     except SpmdError as e:
         if cfg.mesh.devices and "num_devices" in str(e):
             raise SpmdError(f"mesh.devices = {cfg.mesh.devices}: {e}") from None
         raise
-    rank, world = runtime.process_index(), runtime.global_runtime_device_count()
-    out = Path(cfg.out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"torchspmd train: {world} device(s), backend {runtime.backend()}, output {out}\n")
+    job = _Job(cfg, runtime.process_index(), runtime.global_runtime_device_count(), Path(cfg.out_dir))
+    if job.rank == 0:
+        job.out.mkdir(parents=True, exist_ok=True)
+        print(f"torchspmd train: {job.world} device(s), backend {runtime.backend()}, output {job.out}\n")
         print(cfg.to_toml())
     barrier()
     torch.manual_seed(cfg.seed)
+    return job
 
-    tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
-    lazy = runtime.capabilities().lazy_tensors
+
+def _build(job: _Job, tokenizer) -> tuple:
+    """The model (on meta when ``model.meta_init`` asks) and the train and held-out sequences."""
+    cfg = job.cfg
     # model.meta_init with model.pretrained (the llama-1b / llama2-7b presets set meta_init): the
     # architecture on meta, the pretrained weights loaded into the shards; with lazy tensors
     # (torch_xla), built whole
-    pretrained_on_meta = cfg.model.meta_init and bool(cfg.model.pretrained) and not lazy
     model_cfg = cfg.model
-    if cfg.model.meta_init and cfg.model.pretrained and lazy:
-        import dataclasses
-
+    if cfg.model.meta_init and cfg.model.pretrained and runtime.capabilities().lazy_tensors:
         model_cfg = dataclasses.replace(cfg.model, meta_init=False)
-        if rank == 0:
+        if job.rank == 0:
             print("model.meta_init: the pretrained model is loaded whole on XLA, then sharded")
-    model, info = build_model(model_cfg, model_vocab(cfg.model, tokenizer))
-    vocab = info["config"].vocab_size if info["config"] is not None else model_vocab(cfg.model, tokenizer)
-    if tokenizer.vocab_size > vocab:
-        raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
+    job.model, job.info = build_model(model_cfg, model_vocab(cfg.model, tokenizer))
+    job.vocab = job.info["config"].vocab_size if job.info["config"] is not None else model_vocab(cfg.model, tokenizer)
+    if tokenizer.vocab_size > job.vocab:
+        raise SpmdError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {job.vocab}; "
                         f"use the model's own tokenizer (data.tokenizer = its directory)")
-    if info["positions"] and cfg.data.seq_len > info["positions"]:
-        raise SpmdError(f"data.seq_len = {cfg.data.seq_len} is beyond the model's {info['positions']} positions")
-    tokens = tdata.load_tokens(cfg.data, tokenizer, out / "cache")
-    train_ds, eval_ds = tdata.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+    if job.info["positions"] and cfg.data.seq_len > job.info["positions"]:
+        raise SpmdError(f"data.seq_len = {cfg.data.seq_len} is beyond the model's {job.info['positions']} positions")
+    tokens = tdata.load_tokens(cfg.data, tokenizer, job.out / "cache")
+    return tdata.split(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
 
 
+def _mesh(job: _Job) -> Mesh:
+    """('data', 'fsdp'), with 'model' when ``mesh.model`` > 1; made the global mesh."""
+    cfg, world = job.cfg, job.world
     mesh_checks(cfg, world)
-    if rank == 0:
+    if job.rank == 0:
         _announce_plan(cfg, world)
     tp = cfg.mesh.model
     if tp > 1:
-        shape = (cfg.mesh.data, world // (cfg.mesh.data * tp), tp)
-        mesh = Mesh(np.arange(world), shape, ("data", "fsdp", "model"))
+        mesh = Mesh(np.arange(world), (cfg.mesh.data, world // (cfg.mesh.data * tp), tp), ("data", "fsdp", "model"))
     else:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
     set_global_mesh(mesh)
-    micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    return mesh
+
+
+def _parallelize(job: _Job) -> None:
+    """Tensor parallelism over 'model' (annotations), then FSDPv2 over 'fsdp' with 'data' as the
+    extra data axis, a unit per decoder layer (checkpointed when asked); a model built on meta
+    is materialised (before wrapping with lazy tensors, else shard by shard after) or gets its
+    pretrained weights."""
+    cfg, model, info = job.cfg, job.model, job.info
+    lazy = runtime.capabilities().lazy_tensors
+    tp = cfg.mesh.model
     if tp > 1:
-        shard_over_model(model, info["kind"], mesh)
-
-    import functools
-
+        shard_over_model(model, info["kind"], job.mesh)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes(model))
+
     def checkpointed(m, *a, **k):
         return FSDPv2(checkpoint_module(m), *a, **k)
 
-    wrapper = checkpointed if cfg.precision.checkpointing else None
-    meta_init = model_cfg.meta_init and not cfg.model.pretrained  # initialised here (else loaded)
+    meta_init = cfg.model.meta_init and not cfg.model.pretrained  # initialised here (else loaded)
     if meta_init and lazy:  # lazy tensors: nothing is allocated until marked sharded and run
-        _materialize(model, info["kind"], cfg.seed, rank)
-    model = FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper,
-                      extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
-                      compile=cfg.compile)
-    if cfg.compile and rank == 0:
+        _materialize(model, info["kind"], cfg.seed, job.rank)
+    job.model = model = FSDPv2(model, mesh=job.mesh, auto_wrap_policy=policy,
+                               auto_wrapper_callable=checkpointed if cfg.precision.checkpointing else None,
+                               extra_data_axis="data", mixed_precision="bf16" if cfg.precision.dtype == "bf16" else None,
+                               compile=cfg.compile)
+    if cfg.compile and job.rank == 0:
         compiled = sum(1 for m in model.modules() if getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable",
                                                              None) is not None)
         print(f"torch.compile: {compiled} compiled blocks (compiled at their first use)")
     if meta_init and not lazy:
         # each shard draws its own values; the processes along 'model' hold the same FSDP
         # shards of what is not split over 'model', which must agree
-        _materialize(model, info["kind"], cfg.seed, rank // tp)
-    if pretrained_on_meta:
+        _materialize(model, info["kind"], cfg.seed, job.rank // tp)
+    if cfg.model.meta_init and cfg.model.pretrained and not lazy:
         load_pretrained(model, cfg.model.pretrained, runtime.device())
-    n_params = sum(p.numel() for p in model.parameters())
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            fused=cfg.optim.fused and runtime.capabilities().fused_optimizers)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
-    step = 0
-    removed = ckpt.clean(out / "checkpoints")  # what a save interrupted last time left
+def _optimizer(job: _Job) -> None:
+    """AdamW (no decay for biases and norms) and the warm-up + cosine schedule."""
+    cfg = job.cfg
+    decay = [p for p in job.model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in job.model.parameters() if p.ndim < 2]
+    job.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                fused=cfg.optim.fused and runtime.capabilities().fused_optimizers)
+    job.sched = torch.optim.lr_scheduler.LambdaLR(job.opt, _lr_lambda(cfg))
+
+
+def _resume(job: _Job) -> None:
+    """Continue from the checkpoint ``checkpoint.resume`` names (none by default in a new
+    out_dir): weights, optimizer state, schedule, step and RNG state; this job's optimizer
+    settings apply from here on."""
+    cfg, rank = job.cfg, job.rank
+    removed = ckpt.clean(job.out / "checkpoints")  # what a save interrupted last time left
     if removed and rank == 0:
         print(f"removed the unfinished checkpoint(s) {', '.join(removed)} of an interrupted save")
-    resume = _resume_path(cfg, out)
-    if resume is not None:
-        try:
-            state = ckpt.load(resume, model, opt)
-        except ckpt.BadCheckpoint as e:
-            raise SpmdError(_bad_checkpoint(cfg.checkpoint.resume, resume, e)) from None
-        except ckpt.CheckpointMismatch as e:
-            raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: {e}; the job that saved it had other "
-                            f"[model] settings (in its config.toml): resume with those, or start this job in another "
-                            f"out_dir") from None
-        _compare_config(cfg, resume, rank)
-        sched.load_state_dict(state["scheduler"])
-        step = state["step"]
-        # The checkpoint's param groups and LambdaLR's base_lrs hold the saved run's lr, betas and
-        # weight decay; this job's settings (printed above, saved in its config.toml) are the ones
-        # used from here on: equal to the saved ones when the run continues unchanged.
-        g0 = opt.param_groups[0]
-        changed = [f"{name} = {now!r} (the checkpoint's: {then!r})" for name, then, now in (
-            ("optim.lr", sched.base_lrs[0], cfg.optim.lr),
-            ("optim.weight_decay", g0["weight_decay"], cfg.optim.weight_decay),
-            ("optim.beta1", g0["betas"][0], cfg.optim.beta1), ("optim.beta2", g0["betas"][1], cfg.optim.beta2))
-            if then != now]
-        if changed and rank == 0:
-            print(f"resuming with this job's {', '.join(changed)}")
-        sched.base_lrs = [cfg.optim.lr] * len(opt.param_groups)
-        factor = _lr_lambda(cfg)(sched.last_epoch)
-        betas = (cfg.optim.beta1, cfg.optim.beta2)  # (one tuple for all groups, as the constructor gives)
-        for g, wd in zip(opt.param_groups, (cfg.optim.weight_decay, 0.0)):
-            # only what differs: an unchanged resume keeps the checkpoint's groups as they were
-            # (the next checkpoint then pickles them byte for byte as an uninterrupted run)
-            for key, value in (("initial_lr", cfg.optim.lr), ("lr", cfg.optim.lr * factor), ("weight_decay", wd),
-                               ("betas", betas)):
-                if g.get(key) != value:
-                    g[key] = value
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-        if rank == 0:
-            print(f"resumed from {resume} at step {step} (saved on {state.get('world_size', '?')} devices)")
+    resume = _resume_path(cfg, job.out)
+    if resume is None:
+        return
+    try:
+        state = ckpt.load(resume, job.model, job.opt)
+    except ckpt.BadCheckpoint as e:
+        raise SpmdError(_bad_checkpoint(cfg.checkpoint.resume, resume, e)) from None
+    except ckpt.CheckpointMismatch as e:
+        raise SpmdError(f"checkpoint.resume = {cfg.checkpoint.resume!r}: {e}; the job that saved it had other "
+                        f"[model] settings (in its config.toml): resume with those, or start this job in another "
+                        f"out_dir") from None
+    _compare_config(cfg, resume, rank)
+    job.sched.load_state_dict(state["scheduler"])
+    job.step, job.resumed = state["step"], state
+    _apply_optimizer_settings(job)
+    if rank == 0:
+        print(f"resumed from {resume} at step {job.step} (saved on {state.get('world_size', '?')} devices)")
 
-    spec = ShardingSpec(mesh, (("data", "fsdp"), None))
-    sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=step * cfg.optim.grad_accum)
+
+def _apply_optimizer_settings(job: _Job) -> None:
+    """The checkpoint's param groups and LambdaLR's base_lrs hold the saved run's lr, betas and
+    weight decay; this job's settings (printed at its start, saved in its config.toml) are the
+    ones used from here on: equal to the saved ones when the run continues unchanged."""
+    cfg, opt, sched = job.cfg, job.opt, job.sched
+    g0 = opt.param_groups[0]
+    changed = [f"{name} = {now!r} (the checkpoint's: {then!r})" for name, then, now in (
+        ("optim.lr", sched.base_lrs[0], cfg.optim.lr),
+        ("optim.weight_decay", g0["weight_decay"], cfg.optim.weight_decay),
+        ("optim.beta1", g0["betas"][0], cfg.optim.beta1), ("optim.beta2", g0["betas"][1], cfg.optim.beta2))
+        if then != now]
+    if changed and job.rank == 0:
+        print(f"resuming with this job's {', '.join(changed)}")
+    sched.base_lrs = [cfg.optim.lr] * len(opt.param_groups)
+    factor = _lr_lambda(cfg)(sched.last_epoch)
+    betas = (cfg.optim.beta1, cfg.optim.beta2)  # (one tuple for all groups, as the constructor gives)
+    for g, wd in zip(opt.param_groups, (cfg.optim.weight_decay, 0.0)):
+        # only what differs: an unchanged resume keeps the checkpoint's groups as they were
+        # (the next checkpoint then pickles them byte for byte as an uninterrupted run)
+        for key, value in (("initial_lr", cfg.optim.lr), ("lr", cfg.optim.lr * factor), ("weight_decay", wd),
+                           ("betas", betas)):
+            if g.get(key) != value:
+                g[key] = value
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
+def _loaders(job: _Job, train_ds, eval_ds, explain: bool) -> tuple:
+    """The training batches (from the step the job starts at) and the held-out ones, split over
+    ('data', 'fsdp')."""
+    cfg, micro = job.cfg, job.micro
+    spec = ShardingSpec(job.mesh, (("data", "fsdp"), None))
+    sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=job.step * cfg.optim.grad_accum)
     train_iter = iter(MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), runtime.device(),
-                                        input_sharding=spec))
+                                     input_sharding=spec))
     eval_batches = []
     if len(eval_ds) >= micro:
         n_eval = min(cfg.logging.eval_batches, len(eval_ds) // micro)
         eval_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(eval_ds, range(n_eval * micro)),
                                                   batch_size=micro)
         eval_batches = MpDeviceLoader(eval_loader, runtime.device(), input_sharding=spec)
-    elif cfg.data.eval_fraction > 0 and rank == 0 and not explain:
+    elif cfg.data.eval_fraction > 0 and job.rank == 0 and not explain:
         print(f"no evaluation: the {len(eval_ds)} held-out sequences (data.eval_fraction = {cfg.data.eval_fraction}) "
               f"are fewer than one micro-batch of {micro}; raise data.eval_fraction or give more text")
-    if resume is not None:  # after the train iterator, which drew its seed from the generator, as it had when saved
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") is not None and runtime.backend() == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"])
+    return train_iter, eval_batches
 
-    if explain:
-        return _explain_one_step(model, opt, train_iter, vocab, cfg)
-    metrics = _Metrics(out, cfg.logging.tensorboard, step, rank)
+
+def _train_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, float, bool]:
+    """One optimizer step over ``optim.grad_accum`` micro-batches: (loss, gradient norm,
+    whether the update was made). The global loss and norm are the same on every process, so
+    all skip a non-finite step together; a skipped step leaves the weights, the optimizer state
+    and the learning-rate schedule as they were."""
+    cfg, vocab = job.cfg, job.vocab
+    with runtime.step():
+        # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
+        loss_sum = 0.0
+        for _ in range(cfg.optim.grad_accum):
+            x, y = next(train_iter)
+            logits = logits_of(job.model(x))
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
+            if job.step + 1 in nan_steps and job.rank == job.world - 1:  # tests: a bad batch on one process
+                loss = loss * float("nan")
+            loss.backward()
+            loss_sum += loss.item()
+        grad_norm = float(clip_grad_norm_(job.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
+        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+        if finite:
+            job.opt.step()
+            job.sched.step()
+        elif job.rank == 0:
+            print(f"step {job.step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
+        job.opt.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, finite
+
+
+def _save(job: _Job) -> None:
+    state = {"step": job.step, "scheduler": job.sched.state_dict(), "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state() if runtime.backend() == "cuda" else None,
+             "world_size": job.world, "sampler": {"consumed": job.step * job.cfg.optim.grad_accum}}
+    ckpt.save(job.out / "checkpoints", job.step, job.model, job.opt, state, job.cfg.to_toml(),
+              keep=job.cfg.checkpoint.keep)
+
+
+def _train(job: _Job, train_iter, eval_batches) -> dict:
+    """Steps until ``optim.max_steps``: metrics, evaluation, checkpoints; a run of non-finite
+    steps stops the job, and Ctrl-C says where it stands."""
+    cfg, rank = job.cfg, job.rank
+    metrics = _Metrics(job.out, cfg.logging.tensorboard, job.step, rank)
     peak = _peak_flops()
     tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len
-    flops_per_token = 6 * n_params
-    progress = _Progress(cfg, step, n_params, world) if rank == 0 else None
+    n_params = sum(p.numel() for p in job.model.parameters())
+    progress = _Progress(cfg, job.step, n_params, job.world) if rank == 0 else None
     bad = 0
     nan_steps = faults.nan_steps()
-    last_saved = step if resume is not None else -1
+    last_saved = job.step if job.resumed is not None else -1
     losses: list[float] = []
     eval_loss = float("nan")
     try:
-        while step < cfg.optim.max_steps:
+        while job.step < cfg.optim.max_steps:
             t0 = time.perf_counter()
-            with runtime.step():
-                # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
-                loss_sum = 0.0
-                for _ in range(cfg.optim.grad_accum):
-                    x, y = next(train_iter)
-                    logits = logits_of(model(x))
-                    loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1)) / cfg.optim.grad_accum
-                    if step + 1 in nan_steps and rank == world - 1:  # tests: a bad batch on one process
-                        loss = loss * float("nan")
-                    loss.backward()
-                    loss_sum += loss.item()
-                if cfg.optim.grad_clip > 0:
-                    grad_norm = float(clip_grad_norm_(model, cfg.optim.grad_clip))
-                else:
-                    grad_norm = float(clip_grad_norm_(model, float("inf")))
-                # The global loss and norm are the same on every process, so all skip together. A skipped step
-                # leaves the weights, the optimizer state and the learning-rate schedule as they were.
-                finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-                if finite:
-                    opt.step()
-                    sched.step()
-                    bad = 0
-                else:
-                    bad += 1
-                    if rank == 0:
-                        print(f"step {step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
-                opt.zero_grad(set_to_none=True)
-            step += 1
-            faults.after_step(step)
-            dt = time.perf_counter() - t0
+            loss_sum, grad_norm, finite = _train_step(job, train_iter, nan_steps)
+            bad = 0 if finite else bad + 1
+            job.step += 1
+            faults.after_step(job.step)
+            tps = tokens_per_step / (time.perf_counter() - t0)
             losses.append(loss_sum)
-            tps = tokens_per_step / dt
-            row = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
-                   "tokens_per_s": tps, "mfu": (flops_per_token * tps / (peak * world)) if peak else "",
+            row = {"step": job.step, "loss": loss_sum, "lr": job.sched.get_last_lr()[0], "grad_norm": grad_norm,
+                   "tokens_per_s": tps, "mfu": (6 * n_params * tps / (peak * job.world)) if peak else "",
                    "memory_gb": _memory_gb(), "skipped": int(not finite)}
-            if eval_batches and (step % cfg.logging.eval_every == 0 or step == cfg.optim.max_steps):
-                eval_loss = _evaluate(model, eval_batches, vocab)
-                row["eval_loss"] = eval_loss
-            if step % cfg.logging.every == 0 or "eval_loss" in row or step == cfg.optim.max_steps or not finite:
+            last = job.step == cfg.optim.max_steps
+            if eval_batches and (job.step % cfg.logging.eval_every == 0 or last):
+                eval_loss = row["eval_loss"] = _evaluate(job.model, eval_batches, job.vocab)
+            if job.step % cfg.logging.every == 0 or "eval_loss" in row or last or not finite:
                 metrics.write(row)  # a skipped step always gets its row
             if progress:
-                progress.update(step, row)
+                progress.update(job.step, row)
             if not finite and bad >= cfg.optim.max_bad_steps:  # every process decides alike and stops here
                 if progress:
                     progress.close()
                 barrier()  # none exits (and gets its peers stopped) before all have their error
-                raise SpmdError(f"stopping at step {step}: {bad} consecutive steps had a non-finite loss or gradient "
-                                f"(optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check the data, "
-                                f"or raise optim.max_bad_steps")
-            if step % cfg.checkpoint.every == 0 or step == cfg.optim.max_steps:
-                state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
-                         "cuda_rng": torch.cuda.get_rng_state() if runtime.backend() == "cuda" else None,
-                         "world_size": world, "sampler": {"consumed": step * cfg.optim.grad_accum}}
-                ckpt.save(out / "checkpoints", step, model, opt, state, cfg.to_toml(), keep=cfg.checkpoint.keep)
-                last_saved = step
+                raise SpmdError(f"stopping at step {job.step}: {bad} consecutive steps had a non-finite loss or "
+                                f"gradient (optim.max_bad_steps = {cfg.optim.max_bad_steps}); lower optim.lr, check "
+                                f"the data, or raise optim.max_bad_steps")
+            if job.step % cfg.checkpoint.every == 0 or last:
+                _save(job)
+                last_saved = job.step
     except BaseException:
-        if runtime.require_spmd("train").interrupted():  # Ctrl-C: where the job stands, once, instead of a traceback per process
+        if runtime.require_spmd("train").interrupted():  # Ctrl-C: where the job stands, once, not per process
             if progress:
                 progress.close()
             if rank == 0:
-                _say_interrupted(step, out)
+                _say_interrupted(job.step, job.out)
         raise
     if progress:
         progress.close()
-    metrics.plot(out)
-    text = ""
+    metrics.plot(job.out)
+    return {"losses": losses, "eval_loss": eval_loss, "last_saved": last_saved}
+
+
+def _finish(job: _Job, tokenizer) -> str:
+    """A sample of generated text (``logging.sample_tokens``) and where the results are."""
+    cfg, text = job.cfg, ""
     if cfg.logging.sample_tokens > 0:
-        text = sample(model, tokenizer, cfg.logging.prompt, cfg.logging.sample_tokens, cfg.data.seq_len, world)
-        if rank == 0:
+        text = sample(job.model, tokenizer, cfg.logging.prompt, cfg.logging.sample_tokens, cfg.data.seq_len,
+                      job.world)
+        if job.rank == 0:
             print("\n--- sample ---\n" + text + "\n--------------")
-    if rank == 0:
-        print(f"done: {step} steps; metrics {out / 'metrics.csv'}, plot {out / 'loss.png'}, "
-              f"checkpoints {out / 'checkpoints'}")
-    return {"losses": losses, "eval_loss": eval_loss, "sample": text, "last_saved": last_saved}
+    if job.rank == 0:
+        print(f"done: {job.step} steps; metrics {job.out / 'metrics.csv'}, plot {job.out / 'loss.png'}, "
+              f"checkpoints {job.out / 'checkpoints'}")
+    return text
 
 
 def _say_interrupted(step: int, out: Path) -> None:

@@ -28,6 +28,7 @@ that an error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -36,6 +37,7 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchspmd.engines.native import rng as _rng
 from torchspmd.engines.native.device_mesh import device_mesh
@@ -82,25 +84,110 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     """Make the tensor-parallel parts of the unit ``module`` (in place, before its
     ``fully_shard``). Returns the annotated parameters left for gathering on use."""
     dmesh = device_mesh(mesh)
-    names = dict(module.named_modules())
-    fqn = {m: n for n, m in names.items()}
-    fqn.update({m: n for m, n in (getattr(_NAMES, "fqn", None) or {}).items() if m in fqn})
-    parent: dict[nn.Module, nn.Module] = {}
-    for m in module.modules():
-        for child in m.children():
-            parent.setdefault(child, m)
+    tree = _Tree(module)
+    annotated = _annotated(module, dmesh, managed, tree)
+    styles, axis_of, leftovers = _styles(annotated, mesh, data_dims, tree, strict)
+    if not styles:
+        return leftovers
+    tp_axes = sorted(set(axis_of.values()))
+    if len(tp_axes) > 1:
+        raise SpmdError(
+            f"FSDPv2: parameters are split over {[mesh.axis_label(a) for a in tp_axes]}; tensor parallelism "
+            f"uses one mesh axis: annotate every weight over the same one"
+        )
+    axis = tp_axes[0]
+    axis_name = mesh.axis_label(axis)
+    tp_mesh = dmesh[axis_name]
+    pairs = _pairs(styles, tree, tp_mesh.size(), axis_name)
+    ties = _ties(styles)
+    for owner, style in styles.items():
+        if style == MHA:
+            _check_attention(tree.fqn, owner, tp_mesh.size(), axis_name, dmesh, data_dims, mesh)
+            _attention_to_tp(owner, tp_mesh)
+            owner._torchspmd_tp = owner.out_proj._torchspmd_tp = (axis_name, style, True)
+            continue
+        _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
+        parallelize_module(owner, tp_mesh, _plan(style, owner in pairs.columns, owner in pairs.rows))
+        owner._torchspmd_tp = (axis_name, style, owner in pairs.columns or owner in pairs.rows)
+    for start, partner in pairs.starts.items():
+        start.register_forward_hook(_enter_split(tp_mesh, partner))
+    for partner in pairs.ends:
+        partner.register_forward_hook(_exit_split(partner))
+    _retie(ties, tree.fqn)
+    return leftovers
 
+
+class _Tree:
+    """The unit's modules: names (as the model names them), parents, and how PEFT adapters
+    and ModuleDicts stand in for the linear layers they hold."""
+
+    def __init__(self, module: nn.Module):
+        names = dict(module.named_modules())
+        self.fqn = {m: n for n, m in names.items()}
+        self.fqn.update({m: n for m, n in (getattr(_NAMES, "fqn", None) or {}).items() if m in self.fqn})
+        self.parent: dict[nn.Module, nn.Module] = {}
+        for m in module.modules():
+            for child in m.children():
+                self.parent.setdefault(child, m)
+
+    def logical(self, m: nn.Module) -> nn.Module:
+        """A linear inside an adapter wrapper (PEFT's LoRA: ``base_layer``, ``lora_A``,
+        ``lora_B``) or a ModuleDict stands where its wrapper stands."""
+        while m in self.parent and (isinstance(self.parent[m], nn.ModuleDict) or _is_adapter(self.parent[m])):
+            m = self.parent[m]
+        return m
+
+    def adapter_of(self, m: nn.Module) -> nn.Module:
+        """The outermost adapter wrapping linear ``m`` (through its ModuleDicts), else ``m``:
+        what runs last of the layer (never a ModuleDict, which is not called)."""
+        outer = cur = m
+        while cur in self.parent and (isinstance(self.parent[cur], nn.ModuleDict) or _is_adapter(self.parent[cur])):
+            cur = self.parent[cur]
+            if _is_adapter(cur):
+                outer = cur
+        return outer
+
+
+def _linear(m: nn.Module) -> nn.Linear:
+    return m if isinstance(m, nn.Linear) else m.base_layer
+
+
+def _role(m: nn.Module, styles: dict) -> str | None:
+    """The style a sibling stands for: its own, or its adapter's base layer's."""
+    if isinstance(m, nn.Linear):
+        return styles.get(m)
+    if _is_adapter(m) and isinstance(m.base_layer, nn.Linear):
+        return styles.get(m.base_layer)
+    return None
+
+
+def _normed_whole(col: nn.Linear, after: list) -> bool:
+    """A module declared after the column with a weight over its whole output (OLMo2's
+    ``q_norm`` over all heads, not per head): a norm over every feature, which a process's
+    share is not. (A norm declared before it is taken for the block's input norm.)"""
+    return any(not isinstance(s, nn.Linear) and not _is_adapter(s)
+               and any(q.shape == (col.out_features,) for q in s.parameters()) for s in after)
+
+
+def _annotated(module: nn.Module, dmesh, managed: set, tree: _Tree) -> dict[nn.Module, dict[str, DTensor]]:
+    """The parameters the program annotated (DTensors FSDP2 does not manage yet), by owner."""
     annotated: dict[nn.Module, dict[str, DTensor]] = {}
     for owner in module.modules():
         for name, p in owner.named_parameters(recurse=False):
             if isinstance(p, DTensor) and p not in managed:
                 if p.device_mesh != dmesh:
                     raise SpmdError(
-                        f"FSDPv2: parameter {_label(fqn, owner, name)!r} is sharded over another mesh than "
+                        f"FSDPv2: parameter {_label(tree.fqn, owner, name)!r} is sharded over another mesh than "
                         f"FSDPv2's; mark it with the same Mesh"
                     )
                 annotated.setdefault(owner, {})[name] = p
+    return annotated
 
+
+def _styles(annotated: dict, mesh, data_dims: list[int], tree: _Tree, strict: bool) -> tuple[dict, dict, set]:
+    """Each annotated module's tensor-parallel style (column, row, embedding, attention by
+    heads) and mesh axis; the parameters that compute whole (left for gathering on use). A
+    parameter split over the data axes only is FSDP's part: made whole for FSDP2 to shard."""
     styles: dict[nn.Module, str] = {}
     axis_of: dict[nn.Module, int] = {}
     leftovers: set = set()
@@ -110,20 +197,19 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
         for name, p in params.items():
             split = _tp_split(p, data_dims)
             if not split:
-                # Split over the data axes only: that is FSDP's own part. FSDP2 shards it.
                 if id(p) not in made_whole:
                     made_whole[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
                 owner._parameters[name] = made_whole[id(p)]
             elif len(split) > 1:
                 axes = [mesh.axis_label(a) for a, _ in split]
                 raise SpmdError(
-                    f"FSDPv2: parameter {_label(fqn, owner, name)!r} is split over {axes}: inside FSDPv2 one mesh "
-                    f"axis besides the data axes can split a parameter (tensor parallelism is one-dimensional); "
+                    f"FSDPv2: parameter {_label(tree.fqn, owner, name)!r} is split over {axes}: inside FSDPv2 one "
+                    f"mesh axis besides the data axes can split a parameter (tensor parallelism is one-dimensional); "
                     f"annotate it over one of them"
                 )
             else:
                 splits[name] = split[0]
-        mha = _attention_of(owner, parent)
+        mha = _attention_of(owner, tree.parent)
         if mha is not None and splits and mha._qkv_same_embed_dim and all(
                 (name == "in_proj_weight" and dim == 0) or (name == "in_proj_bias" and dim == 0)
                 or (owner is mha.out_proj and name == "weight" and dim == 1) for name, (_, dim) in splits.items()):
@@ -139,136 +225,94 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
         for name, (axis, _) in splits.items():
             leftovers.add(owner._parameters[name])
             msg = (
-                f"FSDPv2: {_label(fqn, owner, name)!r} ({type(owner).__name__}) is annotated over "
+                f"FSDPv2: {_label(tree.fqn, owner, name)!r} ({type(owner).__name__}) is annotated over "
                 f"{mesh.axis_label(axis)!r} but is gathered whole for compute: tensor parallelism covers the "
                 f"weights of nn.Linear and nn.Embedding and nn.MultiheadAttention's packed projection (dim 0) "
                 f"and out_proj (dim 1). It stays stored as annotated; leave it unannotated to let FSDP shard it"
             )
             if strict:
                 raise SpmdError(msg + " (strict_sharding=True refuses the gather)")
-            warnings.warn(msg + " (strict_sharding=True makes this an error)", GatheredWholeWarning, stacklevel=4)
+            warnings.warn(msg + " (strict_sharding=True makes this an error)", GatheredWholeWarning, stacklevel=5)
+    return styles, axis_of, leftovers
 
-    if not styles:
-        return leftovers
-    tp_axes = sorted(set(axis_of.values()))
-    if len(tp_axes) > 1:
-        raise SpmdError(
-            f"FSDPv2: parameters are split over {[mesh.axis_label(a) for a in tp_axes]}; tensor parallelism "
-            f"uses one mesh axis: annotate every weight over the same one"
-        )
-    axis = tp_axes[0]
-    axis_name = mesh.axis_label(axis)
-    tp_mesh = dmesh[axis_name]
-    n = tp_mesh.size()
 
-    # Pairs: a column-parallel linear followed among its siblings by a row-parallel one. A
-    # linear inside an adapter wrapper (PEFT's LoRA: `base_layer`, `lora_A`, `lora_B`) stands
-    # where its wrapper stands: all the wrapper's linears of one style are paired alike.
-    def logical(m: nn.Module) -> nn.Module:
-        while m in parent and (isinstance(parent[m], nn.ModuleDict) or _is_adapter(parent[m])):
-            m = parent[m]
-        return m
+@dataclasses.dataclass
+class _Pairs:
+    columns: set  # column-parallel linears whose output stays split
+    rows: set  # row-parallel linears taking a split input
+    starts: dict  # the column-parallel ones as their parents see them (a linear or its adapter) -> their partner
+    ends: set  # the row-parallel partners as their parents see them
 
-    def role(m: nn.Module) -> str | None:  # the style a sibling stands for
-        if isinstance(m, nn.Linear):
-            return styles.get(m)
-        if _is_adapter(m) and isinstance(m.base_layer, nn.Linear):
-            return styles.get(m.base_layer)
-        return None
 
-    def linear(m: nn.Module) -> nn.Linear:
-        return m if isinstance(m, nn.Linear) else m.base_layer
-
-    def adapter_of(m: nn.Module) -> nn.Module:
-        """The outermost adapter wrapping linear ``m`` (through its ModuleDicts), else ``m``:
-        what runs last of the layer (never a ModuleDict, which is not called)."""
-        outer = cur = m
-        while cur in parent and (isinstance(parent[cur], nn.ModuleDict) or _is_adapter(parent[cur])):
-            cur = parent[cur]
-            if _is_adapter(cur):
-                outer = cur
-        return outer
-
-    def normed_whole(col: nn.Linear, after: list) -> bool:
-        """A module declared after the column with a weight over its whole output (OLMo2's
-        ``q_norm`` over all heads, not per head): a norm over every feature, which a process's
-        share is not. (A norm declared before it is taken for the block's input norm.)"""
-        return any(not isinstance(s, nn.Linear) and not _is_adapter(s)
-                   and any(q.shape == (col.out_features,) for q in s.parameters()) for s in after)
-
-    paired_col: set = set()
-    paired_row: set = set()
-    pair_ends: set = set()  # the row-parallel partners as their parents see them (a linear, or its adapter)
-    pair_starts: dict = {}  # the column-parallel ones (as their parents see them) -> their partner
+def _pairs(styles: dict, tree: _Tree, n: int, axis_name: str) -> _Pairs:
+    """Pairs: a column-parallel linear followed among its siblings by a row-parallel one. A
+    linear inside an adapter wrapper stands where its wrapper stands: all the wrapper's
+    linears of one style are paired alike."""
+    pairs = _Pairs(set(), set(), {}, set())
     for owner, style in styles.items():
         if style != COL or not isinstance(owner, nn.Linear) or getattr(owner, "_torchspmd_tp_gather", False):
             continue
-        at = logical(owner)
-        up = parent.get(at)
+        at = tree.logical(owner)
+        up = tree.parent.get(at)
         if up is None:
             continue
         siblings = list(up.children())
         after = siblings[siblings.index(at) + 1:]
-        partner = next((s for s in after if role(s) == ROW), None)
-        if partner is not None:
-            # The activation stays split only where the row-parallel partner takes the
-            # column's features as they come: the same count (an MLP's up and down, an
-            # attention's query and output), or whole key/value heads of an attention whose
-            # query matches it. A packed projection (gate and up in one, q/k/v in one) is cut
-            # by the program (`chunk`, `split`) into pieces of the whole features, which a
-            # process's share is not: its output is gathered, as an unpaired column's.
-            width = linear(partner).in_features
-            cols = [linear(s) for s in siblings[:siblings.index(partner)] if role(s) == COL]
-            fits = owner.out_features == width or (
-                any(c.out_features == width for c in cols) and width % owner.out_features == 0)
-            if not fits or normed_whole(owner, after):
-                continue
-            paired_col.add(owner)
-            rows = [m for m in partner.modules() if styles.get(m) == ROW and logical(m) is partner] \
-                if partner is not owner else []
-            paired_row.update(rows or [partner])
-            pair_ends.add(partner)
-            pair_starts.setdefault(adapter_of(owner), partner)
-            _check_even(fqn, owner, up, linear(partner), n, axis_name)
+        partner = next((s for s in after if _role(s, styles) == ROW), None)
+        if partner is None:
+            continue
+        # The activation stays split only where the row-parallel partner takes the
+        # column's features as they come: the same count (an MLP's up and down, an
+        # attention's query and output), or whole key/value heads of an attention whose
+        # query matches it. A packed projection (gate and up in one, q/k/v in one) is cut
+        # by the program (`chunk`, `split`) into pieces of the whole features, which a
+        # process's share is not: its output is gathered, as an unpaired column's.
+        width = _linear(partner).in_features
+        cols = [_linear(s) for s in siblings[:siblings.index(partner)] if _role(s, styles) == COL]
+        fits = owner.out_features == width or (
+            any(c.out_features == width for c in cols) and width % owner.out_features == 0)
+        if not fits or _normed_whole(owner, after):
+            continue
+        pairs.columns.add(owner)
+        rows = [m for m in partner.modules() if styles.get(m) == ROW and tree.logical(m) is partner] \
+            if partner is not owner else []
+        pairs.rows.update(rows or [partner])
+        pairs.ends.add(partner)
+        pairs.starts.setdefault(tree.adapter_of(owner), partner)
+        _check_even(tree.fqn, owner, up, _linear(partner), n, axis_name)
+    return pairs
 
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
-    # Tied weights (an embedding and its LM head) stay one parameter.
+def _plan(style: str, paired_column: bool, paired_row: bool):
+    """torch's tensor-parallel style for a module: a paired column keeps its output split for
+    its row partner; everything else leaves whole."""
+    if style == COL:
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1) if paired_column else Replicate(),
+                               use_local_output=True)
+    if style == ROW:
+        return RowwiseParallel(input_layouts=Shard(-1) if paired_row else Replicate(), output_layouts=Replicate(),
+                               use_local_output=True)
+    if style == "embedding_vocab":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+    return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+
+
+def _ties(styles: dict) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Tied weights among the styled modules (an embedding and its LM head): (module, name,
+    first holder, its name)."""
     first_holder: dict[int, tuple[nn.Module, str]] = {}
-    ties: list[tuple[nn.Module, str, nn.Module, str]] = []
+    ties = []
     for owner in styles:
         for name, p in owner.named_parameters(recurse=False):
             if id(p) in first_holder:
                 ties.append((owner, name, *first_holder[id(p)]))
             else:
                 first_holder[id(p)] = (owner, name)
-    for owner, style in styles.items():
-        if style == MHA:
-            _check_attention(fqn, owner, n, axis_name, dmesh, data_dims, mesh)
-            _attention_to_tp(owner, tp_mesh)
-            owner._torchspmd_tp = owner.out_proj._torchspmd_tp = (axis_name, style, True)
-            continue
-        _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
-        if style == COL:
-            out = Shard(-1) if owner in paired_col else Replicate()
-            plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=True)
-        elif style == ROW:
-            inp = Shard(-1) if owner in paired_row else Replicate()
-            plan = RowwiseParallel(input_layouts=inp, output_layouts=Replicate(), use_local_output=True)
-        elif style == "embedding_vocab":
-            plan = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
-        else:
-            plan = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
-        parallelize_module(owner, tp_mesh, plan)
-        owner._torchspmd_tp = (axis_name, style, owner in paired_col or owner in paired_row)
-    for start, partner in pair_starts.items():
-        start.register_forward_hook(_enter_split(tp_mesh, partner))
-    for partner in pair_ends:
-        partner.register_forward_hook(_exit_split(partner))
+    return ties
+
+
+def _retie(ties: list, fqn: dict) -> None:
+    """Tied weights stay one parameter (``parallelize_module`` made each module its own)."""
     for owner, name, first, first_name in ties:
         kept, made = first._parameters[first_name], owner._parameters[name]
         if tuple(kept.placements) != tuple(made.placements):
@@ -278,7 +322,6 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
                 f"({kept.placements[0]} vs {made.placements[0]}): annotate it on dim 0 (the vocabulary)"
             )
         owner._parameters[name] = kept
-    return leftovers
 
 
 def _is_adapter(m: nn.Module) -> bool:
