@@ -18,9 +18,9 @@ _setup.local_hub(sys.argv[1])
 OUT = sys.argv[2]
 
 # ---- VERBATIM: Basic Usage ----
-import torch
 from optimum.tpu import fsdp_v2
 from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
 
 # Enable FSDP_v2
 fsdp_v2.use_fsdp_v2()
@@ -44,7 +44,6 @@ fsdp_args.update(_setup.training_args(OUT))
 
 # ---- VERBATIM: Integration with Transformers Trainer ----
 from transformers import Trainer, TrainingArguments
-
 # Or for instruction fine-tuning:
 # from trl import SFTTrainer
 

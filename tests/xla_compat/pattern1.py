@@ -4,8 +4,9 @@ Lines between the VERBATIM markers are copied unchanged from the seed document
 (../shared/seeds/000_90f455e51b6f5900.txt); what they leave to the reader is defined above
 them (tests/xla_compat/_setup.py), and the lines after them report the losses."""
 
-import _setup
 import torch
+
+import _setup
 
 torch.manual_seed(_setup.SEED)
 MyModel = _setup.MyModel
@@ -16,8 +17,8 @@ train_loader = _setup.image_batches()
 import numpy as np
 import torch
 import torch_xla
-import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
+import torch_xla.distributed.parallel_loader as pl
 from torch_xla import runtime as xr
 
 # Enable SPMD

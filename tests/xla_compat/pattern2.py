@@ -4,27 +4,24 @@ Lines between the VERBATIM markers are copied unchanged from the seed document
 (../shared/seeds/000_90f455e51b6f5900.txt); what they leave to the reader is defined above
 them (tests/xla_compat/_setup.py), and the lines after them report the losses."""
 
-import _setup
 import torch
+
+import _setup
 
 torch.manual_seed(_setup.SEED)
 train_loader = _setup.token_batches(vocab=3200)
 
 # ---- VERBATIM: Pattern 2 ----
 import functools
-
 import numpy as np
 import torch
 import torch.nn as nn
 import torch_xla
-import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
+import torch_xla.distributed.parallel_loader as pl
 from torch_xla import runtime as xr
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-    SpmdFullyShardedDataParallel as FSDPv2,
-)
-
 
 # --- Model (Llama-style decoder) ---
 class RMSNorm(nn.Module):

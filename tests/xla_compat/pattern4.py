@@ -4,16 +4,15 @@ Lines between the VERBATIM markers are copied unchanged from the seed document
 (../shared/seeds/000_90f455e51b6f5900.txt); what they leave to the reader is defined above
 them (tests/xla_compat/_setup.py), and the lines after them report the losses."""
 
-import _setup
 import numpy as np
 import torch
 import torch_xla
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 from torch_xla import runtime as xr
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-    SpmdFullyShardedDataParallel as FSDPv2,
-)
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+import _setup
 
 torch.manual_seed(_setup.SEED)
 xr.use_spmd()
