@@ -17,14 +17,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from multiprocessing.connection import wait
 
-# Set by launchers and by the multi-rank test pool: a clean process must not see them.
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHSPMD_NUM_DEVICES",
-               "CPU_NUM_DEVICES", "TORCHSPMD_BACKEND", "PJRT_DEVICE")
+from _helpers import clean_env, free_port
+
 TIMEOUT = float(os.environ.get("TORCHSPMD_TEST_TIMEOUT", 180))
 
 
@@ -37,9 +34,9 @@ def _torchspmd_modules() -> list[str]:
 def _child(module: str, name: str, args, kwargs, rank: int, world: int, port: int, allow_torchspmd: bool,
            conn) -> None:
     try:
-        for k in _LAUNCH_ENV:
-            os.environ.pop(k, None)
-        os.environ["OMP_NUM_THREADS"] = "1"
+        env = clean_env(OMP_NUM_THREADS=1)  # without the launcher's and torchspmd's variables (_helpers.LAUNCH_VARS)
+        os.environ.clear()
+        os.environ.update(env)
         if world > 1:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -71,17 +68,11 @@ def _child(module: str, name: str, args, kwargs, rank: int, world: int, port: in
         conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_clean(fn, *args, world: int = 1, allow_torchspmd: bool = False, timeout: float = TIMEOUT, **kwargs):
     """``fn(*args, **kwargs)`` in ``world`` fresh processes (see the module's docstring):
     its result (``world == 1``) or the list of results by rank."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     pipes, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)

@@ -1,24 +1,35 @@
-"""Helpers shared by the tests: the repository root, a clean environment for subprocesses."""
+"""Helpers shared by the tests: the repository root, a clean environment for subprocesses and
+a free port, a reader of DCP checkpoints that shares nothing with torchspmd, and tiny random
+Llama models. Standard library only at import time (transformers and torch are imported where
+used): clean processes and oracles that must not import torchspmd import it too."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Variables a launcher or the test pool sets, which a fresh job must not inherit.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID", "CPU_NUM_DEVICES", "TORCHSPMD_NUM_DEVICES", "TORCHSPMD_BACKEND",
-               "TORCHSPMD_ALL_RANKS_OUTPUT", "PJRT_DEVICE", "TORCHELASTIC_ERROR_FILE")
+# Variables a launcher (torchrun), the test pools or torchspmd set, which a fresh job must not inherit.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "CPU_NUM_DEVICES",
+               "TORCHSPMD_NUM_DEVICES", "TORCHSPMD_BACKEND", "TORCHSPMD_ALL_RANKS_OUTPUT", "PJRT_DEVICE")
 
 
 def clean_env(**extra) -> dict[str, str]:
-    """``os.environ`` without the launch variables, plus ``extra`` (as strings)."""
+    """``os.environ`` without the launch variables (``LAUNCH_VARS``), plus ``extra`` (as strings)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on (for a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def same_on_every_rank(results: list):
@@ -51,3 +62,89 @@ def interrupt_when(cmd, ready, cwd, env) -> tuple[int, str, str]:
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     return p.returncode, "".join(seen) + out, err
+
+
+# --- DCP checkpoints, read by torch's own code ---------------------------------------------
+
+_DCP_TO_TORCH = """
+import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+assert not any(m.startswith("torchspmd") for m in sys.modules), "the checkpoint reader imported torchspmd"
+"""
+
+
+def dcp_state(checkpoint, keep=None) -> dict:
+    """A DCP checkpoint's whole (unsharded) state, as torch's own format utility
+    (``dcp_to_torch_save``) assembles it from the shards in a fresh interpreter that never
+    imports torchspmd: for a torchspmd checkpoint ``{'model': {name: tensor}, 'optim':
+    {'state': ..., 'param_groups': ...}}``. With ``keep`` (a file), the assembled state is
+    kept there and later calls read it back (it is written whole: test runners may share it)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    if keep is not None and Path(keep).exists():
+        return torch.load(keep, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "state.pt" if keep is None else Path(f"{keep}.{os.getpid()}")
+        r = subprocess.run([sys.executable, "-c", _DCP_TO_TORCH, str(checkpoint), str(part)], capture_output=True,
+                           text=True, env=clean_env(), timeout=300, cwd="/")
+        assert r.returncode == 0, r.stderr[-4000:]
+        if keep is not None:
+            os.replace(part, keep)
+            part = keep
+        return torch.load(part, weights_only=False)
+
+
+def assert_identical(a, b, where="") -> None:
+    """``a`` and ``b`` (states: tensors in dicts, lists, tuples, and plain values) are equal bit
+    for bit: the same keys, types, dtypes and values."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def dcp_keys(checkpoint) -> set[str]:
+    """The keys a DCP checkpoint's metadata lists (its state dict as DCP flattened it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+
+
+# --- tiny random Llama models --------------------------------------------------------------
+
+TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)
+
+
+def tiny_llama_config(**overrides):
+    """A ``transformers.LlamaConfig`` of ``TINY_LLAMA``'s sizes, with ``overrides`` (a test's own
+    sizes and settings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+def tiny_llama(seed=0, **overrides):
+    """A random ``transformers.LlamaForCausalLM`` of ``tiny_llama_config(**overrides)``,
+    initialised after ``torch.manual_seed(seed)`` (``seed=None``: from the RNG's state)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))

@@ -4,8 +4,10 @@ Each worker process joins a process group through the same environment torchrun
 provides and calls ``torchspmd.use_spmd()`` once; tests then send it module-level
 functions to run on every rank at once and get back each rank's result. Starting the
 processes once per session keeps the suite fast; a worker that hangs, dies or raises
-fails its test and the pool is started again for the next one. Each task's changes to
-``os.environ`` are undone after it.
+fails its test and the pool is started again for the next one. After each task the global
+state a test can leave is reset and checked (``_reset``): ``os.environ``, the global mesh,
+the automatic data-parallel path's setting and the patches ``use_spmd()`` applied (others a
+task applied are removed; one it removed fails the task, and the pool starts again).
 """
 
 from __future__ import annotations
@@ -14,16 +16,11 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _helpers import free_port
 
 
 def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> None:
@@ -42,6 +39,9 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> Non
     import torchspmd as ts
 
     ts.use_spmd(backend="cpu")
+    from torchspmd import patches
+
+    baseline = [p.name for p in patches.active()]
     outbox.put((rank, True, "ready"))
     while True:
         try:
@@ -59,12 +59,36 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, parent: int) -> Non
             # Fail here, visibly, rather than in the queue's feeder thread (which pickles with
             # torch's reductions: they refuse, for one, non-leaf tensors that require grad).
             ForkingPickler.dumps(result)
-            outbox.put((rank, True, result))
+            answer = (rank, True, result)
         except BaseException:  # reported to the test
-            outbox.put((rank, False, traceback.format_exc()))
+            answer = (rank, False, traceback.format_exc())
         finally:  # every environment change a test makes is undone
             os.environ.clear()
             os.environ.update(saved)
+        left = _reset(baseline)
+        if left and answer[1]:
+            answer = (rank, False, f"the task left global state that cannot be reset: {left}")
+        outbox.put(answer)
+
+
+def _reset(baseline: list[str]) -> str:
+    """Put back the global state a task can change (see the module's docstring); what could
+    not be put back, or ''."""
+    import torchspmd as ts
+    from torchspmd import patches
+
+    ts.set_global_mesh(None)
+    ts.set_auto_replicate(None)
+    for name in [p.name for p in patches.active()]:
+        if name not in baseline:
+            patches.remove(name)
+    now = [p.name for p in patches.active()]
+    problems = []
+    if now != baseline:
+        problems.append(f"the patches {sorted(set(baseline) - set(now))} were removed")
+    if ts.get_global_mesh() is not None:
+        problems.append("a global mesh is set")
+    return "; ".join(problems)
 
 
 class WorkerFailed(AssertionError):
@@ -76,7 +100,7 @@ class Pool:
         self.world = world
         self.timeout = timeout
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         self.procs = [

@@ -57,9 +57,14 @@ def _net(unused: bool, seed: int = 0) -> Net:
     return Net(unused)
 
 
+def _optim_state(model, opt, whole=lambda v: v.detach().clone()) -> dict:
+    """The optimizer's state by parameter name and key (``whole`` gathers a sharded value)."""
+    return {f"{n}.{k}": whole(v) for n, p in model.named_parameters() for k, v in sorted(opt.state.get(p, {}).items())}
+
+
 def _oracle(case: str):
-    """One plain process, never interrupted: the losses, the weights at the end, and the
-    parameters the optimizer holds state for at the save."""
+    """One plain process, never interrupted: the losses, the weights and the optimizer's
+    state at the end, and the parameters the optimizer holds state for at the save."""
     make_opt, save_at, unused = CASES[case]
     model = _net(unused)
     opt = make_opt(model.parameters())
@@ -73,7 +78,7 @@ def _oracle(case: str):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, model.state_dict(), with_state
+    return losses, model.state_dict(), with_state, _optim_state(model, opt)
 
 
 def _mesh():
@@ -100,7 +105,6 @@ def _save_load_continue(root: str, case: str, into: str):
     into the same ones after a step past the save point (``trained``: the load takes that
     step back, the optimizer state included); train on from there."""
     from torchspmd import checkpoint as ckpt
-    from torchspmd import checkpoint_files as files
 
     make_opt, save_at, unused = CASES[case]
     batches = _batches()
@@ -117,24 +121,28 @@ def _save_load_continue(root: str, case: str, into: str):
     names = {p: n for n, p in model.named_parameters()}
     with_state = sorted(names[p] for p in opt.state if opt.state[p])
     losses += [_step(model, opt, *b) for b in batches[save_at:]]
-    return losses, ts.full_state_dict(model, rank0_only=False), with_state
+    optim = _optim_state(model, opt, lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone())
+    return losses, ts.full_state_dict(model, rank0_only=False), with_state, optim
 
 
 @pytest.mark.parametrize("case,into", [("sgd", "fresh"), ("adam_before_first_step", "trained"),
                                        ("unused_parameter", "fresh"), ("unused_parameter", "trained")])
 def test_optimizer_state_the_checkpoint_lacks_stays_absent_and_training_continues_exactly(dist, tmp_path, case,
                                                                                            into):
-    ref_losses, ref_weights, ref_with_state = _oracle(case)
+    ref_losses, ref_weights, ref_with_state, ref_optim = _oracle(case)
     if case == "unused_parameter":  # the case is what it says: Adam has state for all but the unused layer
         assert ref_with_state == ["a.bias", "a.weight", "b.bias", "b.weight"]
     else:
         assert ref_with_state == []
-    for losses, weights, with_state in dist(2).run(_save_load_continue, str(tmp_path / "ck"), case, into):
+    for losses, weights, with_state, optim in dist(2).run(_save_load_continue, str(tmp_path / "ck"), case, into):
         assert with_state == ref_with_state  # as the uninterrupted optimizer had at that step
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
         assert weights.keys() == ref_weights.keys()
         for k in ref_weights:
             torch.testing.assert_close(weights[k], ref_weights[k], rtol=RTOL, atol=ATOL, msg=k)
+        assert optim.keys() == ref_optim.keys()  # and the optimizer's state at the end
+        for k in ref_optim:
+            torch.testing.assert_close(optim[k], ref_optim[k], rtol=RTOL, atol=ATOL, msg=k)
 
 
 # --- checkpoints of another model or optimizer: a clear error, nothing loaded --------------
@@ -159,7 +167,6 @@ def _load_mismatched(root: str, saved: str, loaded: str):
     so that it has optimizer state); return the error, its type and whether the model and
     optimizer being loaded into are unchanged."""
     from torchspmd import checkpoint as ckpt
-    from torchspmd import checkpoint_files as files
 
     def make(kind: str, seed: int):
         torch.manual_seed(seed)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from test_train import ROOT, _env, train
+from _helpers import clean_env
+from test_train import ROOT, train
 
 import torchspmd as ts
 from torchspmd.train import config as tconfig
@@ -37,11 +38,10 @@ def _word_tokenizer(path, size: int) -> str:
 
 
 def _pretrained(path, vocab: int, positions: int = 64) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _helpers import tiny_llama
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=positions)).save_pretrained(path)
+    tiny_llama(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               max_position_embeddings=positions).save_pretrained(path)
     return str(path)
 
 
@@ -202,7 +202,7 @@ print(json.dumps(out))
 
 
 def test_use_spmd_errors():
-    r = subprocess.run([sys.executable, "-c", _USE_SPMD], capture_output=True, text=True, env=_env(), timeout=120,
+    r = subprocess.run([sys.executable, "-c", _USE_SPMD], capture_output=True, text=True, env=clean_env(), timeout=120,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from _clean import run_clean
+from _helpers import tiny_llama, tiny_llama_config
 
 RTOL = 1e-5  # fp32
 WORDS = "the cat sat on a mat dog ran far big red sun".split()
@@ -28,15 +29,17 @@ def _tokenizer():
                                                 eos_token="<eos>")
 
 
+# the tiny Llama (_helpers.TINY_LLAMA) with the word tokenizer's vocabulary and special tokens
+LLAMA = dict(vocab_size=len(WORDS) + 3, intermediate_size=40, max_position_embeddings=64, pad_token_id=0,
+             eos_token_id=2)
+
+
 def _llama_config(**extra):
-    return transformers.LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=32, intermediate_size=40,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=64, pad_token_id=0, eos_token_id=2, **extra)
+    return tiny_llama_config(**LLAMA, **extra)
 
 
 def _model():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(_llama_config())
+    return tiny_llama(seed=0, **LLAMA)
 
 
 def _token_rows(n, seed):
@@ -174,6 +177,23 @@ def test_save_model_writes_a_plain_hf_directory(dist, tmp_path):
     assert diff == 0.0
 
 
+def _final_state(trainer):
+    """The weights and AdamW's state at the end of training, whole, by parameter name (every
+    process gathers them; process 0 returns them)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from torchspmd import full_state_dict
+
+    def whole(v):
+        return v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+
+    optim = {f"{name}.{k}": whole(v) for name, p in trainer.model.named_parameters()
+             for k, v in sorted(trainer.optimizer.state.get(p, {}).items())}
+    model = full_state_dict(trainer.model_wrapped)
+    return {"model": model, "optim": optim} if dist.get_rank() == 0 else None
+
+
 def _train_with_checkpoints(out, resume=None, steps=4, model_axis=1, unused=False):
     from torchspmd.hf import Trainer as SpmdTrainer
 
@@ -184,7 +204,19 @@ def _train_with_checkpoints(out, resume=None, steps=4, model_axis=1, unused=Fals
     args = _args(out, True, model, model_axis, max_steps=steps, save_strategy="steps", save_steps=2)
     trainer = SpmdTrainer(model=model, args=args, train_dataset=_token_rows(21, 1), data_collator=collator)
     trainer.train(resume_from_checkpoint=resume)
-    return _history(trainer)
+    return {**_history(trainer), "state": _final_state(trainer)}
+
+
+def _same_as_uninterrupted(resumed, first):
+    """The resumed run's losses and gradient norms after the checkpoint, and its weights and
+    AdamW state at the end, are the uninterrupted run's."""
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+    for part in ("model", "optim"):
+        got, want = resumed["state"][part], first["state"][part]
+        assert got.keys() == want.keys() and want, part
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_resume_from_a_trainer_checkpoint_on_another_device_count(dist, tmp_path):
@@ -193,8 +225,7 @@ def test_resume_from_a_trainer_checkpoint_on_another_device_count(dist, tmp_path
     assert (ckpt / "optimizer" / ".metadata").is_file() and (ckpt / "model.safetensors").is_file()
     # Steps 3 and 4 again, from the checkpoint of step 2, on 4 devices.
     resumed = dist(4).run(_train_with_checkpoints, str(tmp_path / "a"), str(ckpt))[0]
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+    _same_as_uninterrupted(resumed, first)
 
 
 def test_resume_with_a_parameter_the_optimizer_keeps_no_state_for(dist, tmp_path):
@@ -203,8 +234,7 @@ def test_resume_with_a_parameter_the_optimizer_keeps_no_state_for(dist, tmp_path
     first = dist(2).run(_train_with_checkpoints, str(tmp_path / "a"), None, 4, 1, True)[0]
     resumed = dist(2).run(_train_with_checkpoints, str(tmp_path / "a"), str(tmp_path / "a" / "checkpoint-2"), 4, 1,
                           True)[0]
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+    _same_as_uninterrupted(resumed, first)
 
 
 def test_a_checkpoint_of_a_2d_mesh_resumes_on_a_1d_one(dist, tmp_path):
@@ -212,8 +242,7 @@ def test_a_checkpoint_of_a_2d_mesh_resumes_on_a_1d_one(dist, tmp_path):
     ckpt = tmp_path / "a" / "checkpoint-2"
     # Steps 3 and 4 again from the (2, 2) checkpoint of step 2, on a (4, 1) mesh.
     resumed = dist(4).run(_train_with_checkpoints, str(tmp_path / "a"), str(ckpt), 4, 1)[0]
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(first[key]), rtol=RTOL, atol=1e-6)
+    _same_as_uninterrupted(resumed, first)
 
 
 def _train_with_a_failing_save(out, where):
@@ -266,8 +295,7 @@ def test_a_failed_checkpoint_save_fails_everywhere_and_leaves_no_partial_checkpo
     # resume_from_checkpoint=True takes the last complete checkpoint and goes on exactly
     whole = dist(2).run(_train_with_checkpoints, str(tmp_path / "b"))[0]
     resumed = dist(2).run(_train_with_checkpoints, out, True)[0]
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(whole[key]), rtol=RTOL, atol=1e-6)
+    _same_as_uninterrupted(resumed, whole)
 
 
 def _best_checkpoint(out):

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import LAUNCH_VARS, clean_env
 from test_errors import _one_clear_error
-from test_train import ROOT, _env
+from test_train import ROOT
 
 import torchspmd.train as train_pkg
 from torchspmd import cli
@@ -84,9 +85,9 @@ def test_each_rule_is_one_error_line_before_any_worker(tmp_path, monkeypatch, ca
     started = []
     monkeypatch.setattr(train_pkg, "run", lambda *a, **k: started.append("run"))
     monkeypatch.setattr(_launch, "launch", lambda *a, **k: started.append("launch"))
-    monkeypatch.setenv("TORCHSPMD_NUM_DEVICES", "2")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CPU_NUM_DEVICES", "PJRT_DEVICE"):
+    for var in LAUNCH_VARS:  # a fresh job's environment (as clean_env gives a subprocess), on 2 devices
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCHSPMD_NUM_DEVICES", "2")
     code = cli.main(["train", "--out-dir", str(tmp_path / "out"), *flags])
     out, err = capsys.readouterr()
     assert code == 2 and not started and out == ""
@@ -99,7 +100,8 @@ def test_formerly_worker_errors_are_found_by_the_launching_process(tmp_path, fla
     """Errors the workers used to find (twice, under torchrun's lines): now one line from the
     command, no worker."""
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "train", "--out-dir", str(tmp_path), *flags],
-                       capture_output=True, text=True, env=_env(TORCHSPMD_NUM_DEVICES="2"), timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=clean_env(TORCHSPMD_NUM_DEVICES="2"), timeout=300,
+                       cwd=ROOT)
     _one_clear_error(r, message)
     assert len(r.stderr.splitlines()) == 1 and r.stdout == "", r.stderr
 

@@ -6,7 +6,8 @@ same command: the last good checkpoint must be whole (equal to the never-interru
 checkpoint of that step) and the resumed run must equal the never-interrupted run. The job
 is deterministic on the same number of processes, so "equal" is exact (rtol = atol = 0):
 every loss, every weight, every optimizer moment. Checkpoints are read back with torch's
-own `dcp_to_torch_save`, not with torchspmd's loader.
+own `dcp_to_torch_save` (in a process that never imports torchspmd: _helpers.dcp_state),
+not with torchspmd's loader.
 
 The runs resume after warm-up (inside the cosine decay) with gradient accumulation.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from test_train import ROOT, SMALL, _env, losses, train
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from _helpers import assert_identical, clean_env, dcp_state
+from test_train import ROOT, SMALL, losses, train
 
 # 6 steps of 2 micro-batches, warm-up over the first 2: steps 3-6 are in the cosine decay.
 # A checkpoint every 2 steps; keep 1, so every save also prunes the one before it.
@@ -40,28 +41,10 @@ def entries(out: Path, sub: str = "checkpoints") -> list[str]:
     return sorted(p.name for p in (Path(out) / sub).iterdir())
 
 
-def full_state(checkpoint: Path, tmp: Path) -> dict:
+def full_state(checkpoint: Path) -> dict:
     """A checkpoint as torch's DCP utility assembles it (whole tensors: model, optimizer),
     with its state.pt (step, scheduler, RNG state, sampler position)."""
-    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, out)
-    return {"dcp": torch.load(out, weights_only=False), "state.pt": torch.load(checkpoint / "state.pt",
-                                                                              weights_only=False)}
-
-
-def assert_identical(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            assert_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+    return {"dcp": dcp_state(checkpoint), "state.pt": torch.load(checkpoint / "state.pt", weights_only=False)}
 
 
 def _straight(out: Path) -> None:
@@ -109,14 +92,14 @@ def test_killed_inside_a_save_resumes_exactly(tmp_path, straight, point):
     if point == "before-rename":
         assert (tmp / ".metadata").exists() and (tmp / "state.pt").exists()
     # the last good checkpoint is whole: the straight run's checkpoint of that step, bit for bit
-    assert_identical(full_state(ck(out, good), tmp_path), full_state(ck(straight, good), tmp_path))
+    assert_identical(full_state(ck(out, good)), full_state(ck(straight, good)))
 
     r = train(out, *ARGS)  # the same command again (checkpoint.resume = 'auto')
     assert f"resumed from {ck(out, good)} at step {good}" in r.stdout
     assert ("removed the unfinished checkpoint(s) .step-00000004.tmp" in r.stdout) == (point != "after-rename")
     assert entries(out) == ["step-00000006"]  # the leftovers are gone, the old checkpoints pruned
     assert losses(out) == losses(straight)
-    assert_identical(full_state(ck(out, 6), tmp_path), full_state(ck(straight, 6), tmp_path))
+    assert_identical(full_state(ck(out, 6)), full_state(ck(straight, 6)))
 
 
 def test_killed_process_in_the_cosine_decay_restarts_and_resumes_exactly(tmp_path, straight):
@@ -124,12 +107,12 @@ def test_killed_process_in_the_cosine_decay_restarts_and_resumes_exactly(tmp_pat
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", "--max-restarts", "1", "-m", "torchspmd.cli",
            "train", "--out-dir", str(out), *SMALL, *ARGS]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(TORCHSPMD_FAULT_KILL_AT_STEP=5), timeout=600,
-                       cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(TORCHSPMD_FAULT_KILL_AT_STEP=5),
+                       timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
     assert losses(out) == losses(straight)
-    assert_identical(full_state(ck(out, 6), tmp_path), full_state(ck(straight, 6), tmp_path))
+    assert_identical(full_state(ck(out, 6)), full_state(ck(straight, 6)))
 
 
 def test_the_next_start_removes_what_interrupted_saves_left(tmp_path):
@@ -273,7 +256,8 @@ except BadCheckpoint as e:
     print(e)
 print("grew_mb", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"checkpoint {ck} is corrupt: .metadata cannot be read (UnpicklingError" in r.stdout, r.stdout
     assert float(r.stdout.split("grew_mb")[1]) < 100, r.stdout
@@ -390,7 +374,7 @@ def test_resuming_with_another_seed_and_optimizer_settings(tmp_path, straight):
     assert rows.keys() == {5, 6}
     for step in rows:
         assert rows[step] == pytest.approx(lr(step), rel=1e-12)
-    saved = full_state(ck(out, 6), tmp_path)
+    saved = full_state(ck(out, 6))
     groups = saved["dcp"]["optim"]["param_groups"]
     groups = pickle.loads(groups) if isinstance(groups, bytes) else groups
     assert [x for g in groups for x in (g["lr"], g["weight_decay"], *g["betas"])] == pytest.approx(
@@ -411,7 +395,7 @@ def test_ctrl_c_says_where_the_job_stands_and_which_checkpoint_continues_it(tmp_
     def two_steps(lines):
         return any(_re.match(r"step\s+2\b", x) for x in lines)
 
-    code, stdout, err = interrupt_when(cmd, two_steps, ROOT, _env())
+    code, stdout, err = interrupt_when(cmd, two_steps, ROOT, clean_env())
     assert code == 130, (stdout[-2000:], err[-4000:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     newest = sorted((out / "checkpoints").glob("step-*"))[-1]

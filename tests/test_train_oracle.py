@@ -10,7 +10,6 @@ a clean process that never imports torchspmd.
 import csv
 import json
 import math
-import os
 import pickle
 import re
 import subprocess
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import ROOT, _env, losses, train
+from _helpers import clean_env, dcp_state
+from test_train import ROOT, losses, train
 
 STEPS = 3
 PROMPT = "def "
@@ -34,26 +34,17 @@ def clean_python(code: str, *args) -> str:
     """Run ``code`` in a fresh interpreter that never imports torchspmd; return its stdout."""
     code += "\nassert not any(m.startswith('torchspmd') for m in sys.modules), 'the oracle imported torchspmd'\n"
     r = subprocess.run([sys.executable, "-c", "import sys\n" + code, *map(str, args)], capture_output=True, text=True,
-                       env=_env(), timeout=300, cwd="/")
+                       env=clean_env(), timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
 
-DCP_TO_TORCH = """
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-dcp_to_torch_save(sys.argv[1], sys.argv[2])
-"""
-
-
-def dcp_state(checkpoint: Path) -> dict:
+def job_state(checkpoint: Path) -> dict:
     """A checkpoint's whole (unsharded) state as torch's DCP format utilities assemble it
-    from the shards: {'model': {name: tensor}, 'optim': {'state': ..., 'param_groups': ...}}."""
-    out = checkpoint.parent.parent / f"oracle-{checkpoint.name}.pt"
-    if not out.exists():  # (a job shared by the test runners: written whole, by whichever gets here first)
-        part = out.with_name(f"{out.name}.{os.getpid()}")
-        clean_python(DCP_TO_TORCH, checkpoint, part)
-        os.replace(part, out)
-    return torch.load(out, weights_only=False)
+    from the shards (_helpers.dcp_state, a clean process): {'model': {name: tensor}, 'optim':
+    {'state': ..., 'param_groups': ...}}. Kept beside the job (jobs are shared by the test
+    runners: written whole, by whichever gets here first)."""
+    return dcp_state(checkpoint, keep=checkpoint.parent.parent / f"oracle-{checkpoint.name}.pt")
 
 
 def ckpt(out: Path, step: int) -> Path:
@@ -171,7 +162,7 @@ def test_job_equals_one_process(work, corpus, base):
     got = losses(base)
     assert want[-1] < want[0] - 0.05  # it trains: the weights move
     assert [got[s] for s in sorted(got)] == pytest.approx(want, rel=1e-5, abs=0)
-    oracle, trained = torch.load(weights), dcp_state(ckpt(base, STEPS))["model"]
+    oracle, trained = torch.load(weights), job_state(ckpt(base, STEPS))["model"]
     assert oracle.keys() == trained.keys()
     for k in oracle:
         torch.testing.assert_close(trained[k], oracle[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -190,7 +181,7 @@ def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
     assert want[STEPS] < want[1] - 0.05  # the reference job trains: its weights move
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0), step
-    a, b = dcp_state(ckpt(base, STEPS))["model"], dcp_state(ckpt(out, STEPS))["model"]
+    a, b = job_state(ckpt(base, STEPS))["model"], job_state(ckpt(out, STEPS))["model"]
     assert a.keys() == b.keys()  # the checkpoint wrapper leaves the parameter names alone
     for k in a:  # atol as against the plain job: Adam divides by sqrt(v), so where a weight's gradient is
         # near zero, a last-bit difference in it (here: the sums of two micro-batches) moves that weight by ~5e-7
@@ -209,7 +200,7 @@ def trained(once, corpus):
 
 def _export(trained: Path, folder: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(trained), str(folder / "hf")],
-                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     # no warning (DCP's "torch.distributed is disabled ..." among them; transformers' progress bar may show)
     assert not re.search(r"warn|(^|\]:)W\d{4} \d", r.stderr, re.IGNORECASE | re.MULTILINE), r.stderr[-3000:]
@@ -244,7 +235,7 @@ def transformers_oracle(once, exported):
 def test_export_equals_the_trained_weights(trained, exported, transformers_oracle):
     from safetensors.torch import load_file
 
-    final = dcp_state(ckpt(trained, 30))["model"]  # the job's final checkpoint, assembled by torch
+    final = job_state(ckpt(trained, 30))["model"]  # the job's final checkpoint, assembled by torch
     assert_equal(load_file(exported / "model.safetensors"), final)
     assert_equal(transformers_oracle["weights"], final)
     config = json.loads((exported / "config.json").read_text())
@@ -254,7 +245,7 @@ def test_export_equals_the_trained_weights(trained, exported, transformers_oracl
 def test_greedy_generate_equals_transformers(trained, transformers_oracle):
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(trained), "--prompt", PROMPT,
                         "--tokens", str(NEW_TOKENS), "--temperature", "0"],
-                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not re.search(r"warn|(^|\]:)W\d{4} \d", r.stderr, re.IGNORECASE | re.MULTILINE), r.stderr[-3000:]
     text = r.stdout[:-1]  # print's newline
@@ -264,14 +255,14 @@ def test_greedy_generate_equals_transformers(trained, transformers_oracle):
     # The byte tokenizer's text is its ids, one byte each (no replacement characters, so nothing is lost).
     assert "\ufffd" not in text and list(text.encode()) == ids
     sampled = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(trained), "--prompt", PROMPT,
-                              "--tokens", "5"], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+                              "--tokens", "5"], capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
     assert sampled.returncode == 0 and sampled.stdout.startswith(PROMPT), sampled.stderr[-3000:]
 
 
 @pytest.mark.parametrize("flags", [("--temperature", "-1"), ("--top-k", "0"), ("--tokens", "-3")])
 def test_generate_refuses_a_negative_temperature_or_no_candidates(tmp_path, flags):
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "generate", str(tmp_path), *flags],
-                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     message = "--tokens -3: give the number of tokens to add, 0 or more" if flags[0] == "--tokens" else \
         "give a temperature of 0 or more (0: greedy) and a top-k of 1 or more"
@@ -308,7 +299,7 @@ def test_a_non_finite_step_changes_nothing_and_is_recorded(bad_job):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [int(r["skipped"]) for r in rows] == [0, 1, 0, 1, 1, 1]
     assert [math.isfinite(float(r["loss"])) for r in rows] == [True, False, True, False, False, False]
-    s = {step: dcp_state(ckpt(out, step)) for step in (1, 2, 3, 4, 5)}
+    s = {step: job_state(ckpt(out, step)) for step in (1, 2, 3, 4, 5)}
     for before, after in [(1, 2), (3, 4), (4, 5)]:  # a skipped step: weights, AdamW state and lr as they were
         assert_equal(s[after]["model"], s[before]["model"])
         assert_equal(optim_tensors(s[after]), optim_tensors(s[before]))

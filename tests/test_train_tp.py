@@ -6,32 +6,33 @@ one process of plain transformers. Its checkpoints are read back with torch's ow
 utility, which shares nothing with torchspmd.
 """
 
+import csv
 from pathlib import Path
 
 import pytest
 import torch
+from _helpers import clean_env, dcp_state
 from safetensors.torch import load_file
-from test_train import ROOT, _env, losses, train
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from test_train import ROOT, losses, train
 
-ARGS = ["--optim.max_steps", "4", "--optim.warmup_steps", "2", "--checkpoint.every", "2", "--checkpoint.keep", "2"]
+# a checkpoint at every step, all kept: the jobs' weights, AdamW moments and gradients are compared at every step
+STEPS = 4
+ARGS = ["--optim.max_steps", str(STEPS), "--optim.warmup_steps", "2", "--checkpoint.every", "1", "--checkpoint.keep",
+        "0"]
+BETA1 = 0.9  # the job's AdamW beta1 (optim.beta1's default)
 
 
 def ck(out: Path, step: int) -> Path:
     return Path(out) / "checkpoints" / f"step-{step:08d}"
 
 
-def whole(checkpoint: Path, tmp: Path) -> dict:
-    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, out)
-    return torch.load(out, weights_only=False)
-
-
 # Weights after AdamW steps: rtol 1e-5, and atol 5e-6 for elements whose gradient is near
 # zero, where Adam's normalisation (m / sqrt(v)) turns the tensor-parallel summation order's
 # last-bit differences of the gradient into differences of the step (measured: 2.4e-6 on
 # weights of about 0.02; the moments themselves agree to 2e-8).
-WEIGHTS_ATOL, MOMENTS_ATOL = 5e-6, 1e-7
+# Each step's gradient is read from the first moments (g_t = (m_t - beta1 m_{t-1}) / (1 - beta1)),
+# which multiplies their differences by up to (1 + beta1) / (1 - beta1) = 19.
+WEIGHTS_ATOL, MOMENTS_ATOL, GRADS_ATOL = 5e-6, 1e-7, 1e-6
 
 
 def close(a: dict, b: dict, where: str, atol: float = WEIGHTS_ATOL) -> None:
@@ -41,6 +42,22 @@ def close(a: dict, b: dict, where: str, atol: float = WEIGHTS_ATOL) -> None:
             close(a[k], b[k], f"{where}.{k}", atol)
         elif isinstance(a[k], torch.Tensor):
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol, msg=f"{where}.{k}")
+
+
+def metric(out: Path, field: str) -> dict[int, float]:
+    with open(Path(out) / "metrics.csv") as f:
+        return {int(r["step"]): float(r[field]) for r in csv.DictReader(f) if r[field]}
+
+
+def gradients(states: list[dict]) -> list[dict]:
+    """Each step's gradient (clipped, as AdamW got it), from the checkpoints of steps 1, 2, ...:
+    AdamW's first moment is m_t = beta1 m_{t-1} + (1 - beta1) g_t, from m_0 = 0."""
+    out, before = [], None
+    for s in states:
+        m = {k: v["exp_avg"] for k, v in s["optim"]["state"].items()}
+        out.append({k: (m[k] - (BETA1 * before[k] if before else 0)) / (1 - BETA1) for k in m})
+        before = m
+    return out
 
 
 RUNS = {"1d": (2, []),  # FSDP over 2 devices
@@ -62,16 +79,24 @@ def jobs(once, tmp_path_factory):
 
 
 def test_the_2d_job_trains_as_the_1d_job(jobs):
-    tmp, out = jobs
+    _, out = jobs
     want, got = losses(out["1d"]), losses(out["2d"])
     assert got.keys() == want.keys() == {1, 2, 3, 4}
     for s in want:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
-    # the same checkpoint keys and values: model, and AdamW's moments, whole
-    a, b = whole(ck(out["2d"], 4), tmp), whole(ck(out["1d"], 4), tmp)
-    assert a.keys() == b.keys()
-    close(a["model"], b["model"], "model")
-    close(a["optim"]["state"], b["optim"]["state"], "optim", MOMENTS_ATOL)
+    want, got = metric(out["1d"], "grad_norm"), metric(out["2d"], "grad_norm")  # (before clipping)
+    assert got.keys() == want.keys() == set(range(1, STEPS + 1))
+    for s in want:
+        assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
+    # at every step, the same checkpoint keys and values: model, and AdamW's moments, whole; and so
+    # the same gradients
+    states = {name: [dcp_state(ck(out[name], s)) for s in range(1, STEPS + 1)] for name in RUNS}
+    for s, (a, b) in enumerate(zip(states["2d"], states["1d"]), 1):
+        assert a.keys() == b.keys()
+        close(a["model"], b["model"], f"step {s} model")
+        close(a["optim"]["state"], b["optim"]["state"], f"step {s} optim", MOMENTS_ATOL)
+    for s, (a, b) in enumerate(zip(gradients(states["2d"]), gradients(states["1d"])), 1):
+        close(a, b, f"step {s} gradient", GRADS_ATOL)
 
 
 @pytest.mark.parametrize("saved,resumed_on", [("2d", ("1d", 2, [])), ("1d", ("2d", 4, ["--mesh.model", "2"]))],
@@ -85,6 +110,11 @@ def test_a_checkpoint_resumes_on_the_other_mesh(jobs, saved, resumed_on):
     assert sorted(got) == [3, 4]
     for s in got:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
+    # the weights and AdamW's state at the end, as the uninterrupted job's
+    a, b = dcp_state(ck(again, STEPS)), dcp_state(ck(out[saved], STEPS))
+    assert a.keys() == b.keys()
+    close(a["model"], b["model"], "model")
+    close(a["optim"]["state"], b["optim"]["state"], "optim", MOMENTS_ATOL)
 
 
 def test_export_of_the_2d_job_gives_the_1d_jobs_weights(jobs):
@@ -96,7 +126,7 @@ def test_export_of_the_2d_job_gives_the_1d_jobs_weights(jobs):
     for k in ("1d", "2d"):
         hf = tmp / f"hf-{k}"
         r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "export", str(out[k]), str(hf)],
-                           capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+                           capture_output=True, text=True, env=clean_env(), timeout=300, cwd=ROOT)
         assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr[-3000:]
         weights[k] = load_file(hf / "model.safetensors")
     close(weights["2d"], weights["1d"], "export")
@@ -116,7 +146,7 @@ def test_torchspmd_explain_shows_the_jobs_layouts_and_one_steps_collectives(tmp_
 
     cmd = [sys.executable, "-m", "torchspmd.cli", "explain", "--out-dir", str(tmp_path), "--mesh.devices", "4",
            "--mesh.model", "2", *SMALL]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert out.count("Collectives of one step") == 1  # printed once, by rank 0

@@ -368,11 +368,12 @@ def test_replicate_is_data_parallel_under_gspmd(ts):
 
 
 def test_a_device_count_pjrt_does_not_show_names_its_source():
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", TORCHSPMD_NUM_DEVICES="2")
+    from _helpers import clean_env
+
+    env = clean_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", TORCHSPMD_NUM_DEVICES="2")
     r = subprocess.run([sys.executable, "-c", "import torchspmd as ts; ts.use_spmd()"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode != 0
@@ -384,14 +385,13 @@ def test_the_native_engine_warns_once_on_this_torch(tmp_path):
     relies on: without PJRT_DEVICE, use_spmd() says so once (rank 0 of the processes it
     relaunches), naming the version it is tested with and the XLA way, and the program runs
     (tests/xla/test_xla_programs.py runs whole programs so)."""
-    import os
     import subprocess
     import sys
 
     import torch
+    from _helpers import clean_env
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "TORCHSPMD_BACKEND")}
-    env["TORCHSPMD_NUM_DEVICES"] = "2"
+    env = clean_env(TORCHSPMD_NUM_DEVICES="2")
     script = tmp_path / "p.py"
     script.write_text("import torchspmd as ts\nts.use_spmd()\nprint('ran', ts.backend())\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)

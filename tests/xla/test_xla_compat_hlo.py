@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _helpers import clean_env
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.distributed.spmd as xs  # noqa: E402
@@ -42,7 +43,7 @@ def test_the_switch_says_it_shadows_an_installed_torch_xla(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text("import torch_xla, torch_xla.runtime as xr\nprint(torch_xla.__version__, xr.world_size())\n")
     r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(script)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                       timeout=300, cwd=ROOT, env=clean_env(PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["2.9.0+torchspmd.compat", "1"]
     assert "torch_xla is installed" in r.stderr and "is shadowed" in r.stderr

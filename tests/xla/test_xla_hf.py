@@ -12,14 +12,12 @@ pytest.importorskip("transformers")
 
 def test_trainer_evaluates_trains_and_saves_on_xla(ts, tmp_path):
     from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from _helpers import tiny_llama
+    from transformers import LlamaForCausalLM, TrainingArguments
 
     from torchspmd.hf import Trainer, fsdp_v2
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(seed=0)  # vocabulary 64, hidden 32, 2 layers, 4 heads (2 key/value), 32 positions
     g = np.random.default_rng(0)
     ids = g.integers(0, 64, size=(16, 12)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
@@ -51,15 +49,14 @@ def test_trainer_on_xla_with_hub_kernels(ts, tmp_path):
     from importlib.metadata import version
 
     from datasets import Dataset
+    from _helpers import tiny_llama
     from packaging.version import Version
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import LlamaForCausalLM, TrainingArguments
 
     from torchspmd.hf import Trainer, fsdp_v2
 
     assert Version(version("kernels")) >= Version("0.19.1"), "the environment must have the kernels release at issue"
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    tiny_llama(seed=None).save_pretrained(tmp_path / "base")
     model = LlamaForCausalLM.from_pretrained(tmp_path / "base")
     assert model.use_kernels  # transformers turned kernels on: the failure's precondition
     ids = np.random.default_rng(0).integers(0, 64, size=(8, 12)).tolist()

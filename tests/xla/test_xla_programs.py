@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import example_losses
+from _helpers import clean_env, example_losses
 
 pytest.importorskip("torch_xla")
 
@@ -20,15 +20,9 @@ RTOL = 1e-4  # fp32, XLA's CPU kernels against PyTorch's, over a few optimizer s
 
 
 def _env(engine: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PJRT_DEVICE", "TORCHSPMD_BACKEND", "TORCHSPMD_NUM_DEVICES")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["CPU_NUM_DEVICES"] = "4"
-    if engine == "xla":
-        env["PJRT_DEVICE"] = "CPU"  # with torch_xla installed: the XLA backend
-    else:
-        env["TORCHSPMD_BACKEND"] = "cpu"  # 4 gloo processes
-    return env
+    # with torch_xla installed, PJRT_DEVICE=CPU: the XLA backend; else 4 gloo processes
+    choice = {"PJRT_DEVICE": "CPU"} if engine == "xla" else {"TORCHSPMD_BACKEND": "cpu"}
+    return clean_env(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), CPU_NUM_DEVICES=4, **choice)
 
 
 def run(engine: str, *cmd: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -115,3 +109,9 @@ def test_train_same_losses_on_both_engines_and_checkpoints_cross_over(tmp_path):
     on_native = train("native", tmp_path / "x2n", "--optim.max_steps", "4",
                       "--checkpoint.resume", str(tmp_path / "xla" / ck))
     _close(xla, on_native, [3, 4])
+    # and the weights at the end are those of the run each resumed run continues
+    for continued, resumed in (("native", "n2x"), ("xla", "x2n")):
+        a, b = (load_plain_model(str(tmp_path / e))[0].state_dict() for e in (continued, resumed))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=RTOL, atol=1e-5, msg=lambda m, k=k, r=resumed: f"{r} {k}: {m}")

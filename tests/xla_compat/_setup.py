@@ -126,8 +126,13 @@ def local_hub(home: str) -> None:
     under ``MODEL_ID``, read offline (no hub is reachable here)."""
     os.environ["HF_HOME"] = home  # (read when huggingface_hub is imported: set first)
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import sys
+
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared helpers
+    from _helpers import tiny_llama  # (standard library and transformers only: no torchspmd)
 
     snap = os.path.join(home, "hub", "models--" + MODEL_ID.replace("/", "--"), "snapshots", "0" * 40)
     if not os.path.isfile(os.path.join(snap, "config.json")):
@@ -136,11 +141,8 @@ def local_hub(home: str) -> None:
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
                                                          unk_token="<unk>", eos_token="<eos>")
-        torch.manual_seed(SEED)
-        config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=24, intermediate_size=40,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=32, pad_token_id=0, eos_token_id=2)
-        transformers.LlamaForCausalLM(config).save_pretrained(snap)
+        tiny_llama(seed=SEED, vocab_size=len(vocab), hidden_size=24, intermediate_size=40, pad_token_id=0,
+                   eos_token_id=2).save_pretrained(snap)
         tokenizer.save_pretrained(snap)
         refs = os.path.join(home, "hub", "models--" + MODEL_ID.replace("/", "--"), "refs")
         os.makedirs(refs, exist_ok=True)
