@@ -122,7 +122,10 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start
     """, start)
     assert r.returncode == code, r.stderr
     assert summary[0].startswith(said), r.stderr
-    assert len(summary) == 2 and summary[1].startswith("torchspmd: rank 0 ") and "after rank 1 failed" in summary[1]
+    assert summary[1].startswith("torchspmd: rank 0 ") and "after rank 1 failed" in summary[1]
+    # a SIGKILL nobody explains gets the out-of-memory hint (no OOM kill was counted: "most likely")
+    hints = [line for line in summary[2:] if line.startswith("torchspmd: most likely the kernel's out-of-memory")]
+    assert len(summary) == 2 + len(hints) and len(hints) == ("SIGKILL" in how), r.stderr
 
 
 # --- the ordering rules, on records written by the workers' recorder ------------------
@@ -179,13 +182,35 @@ def test_exits_without_a_record(tmp_path, monkeypatch):
         "torchspmd: rank 0 failed after rank 1 failed: RuntimeError: Connection closed by peer [127.0.0.1]:41234 "
         "(a lost connection)",
         "torchspmd: rank 2 was stopped (SIGTERM) after rank 1 failed",
-        "torchspmd: rank 3 was stopped (exit code 1) after rank 1 failed"]
+        "torchspmd: rank 3 was stopped (exit code 1) after rank 1 failed",
+        failures.out_of_memory_hint(False)]
     assert code == 137
     # Without the agent's word on whom it stopped, SIGTERM means stopped by the launcher.
     text, code = failures.summarize({0: ProcessFailure(0, 100, -signal.SIGTERM, none),
                                     1: ProcessFailure(1, 101, 3, none)})
     assert text.splitlines()[0].startswith("torchspmd: rank 1 exited with code 3 and recorded no exception"), text
     assert text.splitlines()[1] == "torchspmd: rank 0 was stopped (SIGTERM) after rank 1 failed" and code == 3
+
+
+def test_a_kill_by_the_oom_killer_says_what_fixes_it(tmp_path, monkeypatch):
+    none = str(tmp_path / "absent.json")
+    events = tmp_path / "memory.events"
+    monkeypatch.setattr(failures, "MEMORY_EVENTS", str(events))
+    events.write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n")
+    start = failures.oom_kills()
+    events.write_text("low 0\nhigh 0\nmax 4\noom 3\noom_kill 3\n")  # the run's process was the third
+    text, _ = failures.summarize({0: ProcessFailure(0, 100, -signal.SIGKILL, none),
+                                  1: ProcessFailure(1, 101, -signal.SIGTERM, none)}, stopped_pids={101},
+                                 oom_kills_at_start=start)
+    last = text.splitlines()[-1]
+    assert start == 2 and last == failures.out_of_memory_hint(True), text
+    assert "out-of-memory killer ended it" in last and "checkpoint_module" in last and "torchspmd plan" in last
+    # no kill counted (another signal sender, or a machine that does not say): "most likely"
+    text, _ = failures.summarize({0: ProcessFailure(0, 100, -signal.SIGKILL, none)}, oom_kills_at_start=3)
+    assert "most likely the kernel's out-of-memory killer" in text.splitlines()[-1]
+    # a process that failed with an error gets no such line
+    events.unlink()
+    assert failures.oom_kills() is None
 
 
 def test_only_lost_connections_say_so(tmp_path, monkeypatch):

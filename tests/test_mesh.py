@@ -113,3 +113,27 @@ def _one_d():
 
 def test_get_1d_mesh_and_global_mesh(dist):
     assert dist(2).run(_one_d) == [((2,), ("data",), True)] * 2
+
+
+def _annotate_and_drop():
+    import warnings
+
+    import torch
+
+    mesh = Mesh(np.arange(2), (2,), ("data",))
+    t = torch.randn(6, 3)
+    with warnings.catch_warnings(record=True) as dropped:
+        warnings.simplefilter("always")
+        ts.mark_sharding(t, mesh, ("data", None))  # the result dropped: t cannot become the DTensor
+    with warnings.catch_warnings(record=True) as kept:
+        warnings.simplefilter("always")
+        u = ts.mark_sharding(t, mesh, ("data", None))
+    said = [str(w.message) for w in dropped if "mark_sharding" in str(w.message)]
+    return (len(said), type(t).__name__, type(u).__name__, [str(w.message) for w in kept],
+            dropped[0].filename if dropped else None)
+
+
+def test_a_dropped_annotation_of_a_plain_tensor_warns(dist):
+    n, t_type, u_type, kept, where = same_on_every_rank(dist(2).run(_annotate_and_drop))
+    assert (n, t_type, u_type, kept) == (1, "Tensor", "DTensor", []), (n, t_type, u_type, kept)
+    assert where == __file__  # the warning points at the program's line

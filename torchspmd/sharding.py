@@ -15,11 +15,13 @@ divide evenly is split like ``torch.chunk``: every device but the last ones gets
 from __future__ import annotations
 
 import abc
+import warnings
 from typing import Any, Tuple, Union
 
 import torch
 
 from torchspmd import engines
+from torchspmd.call_sites import result_discarded
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import Mesh, as_view, get_global_mesh
 
@@ -129,10 +131,19 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     is (the spec is still checked against the mesh).
 
     On the torch_xla engine torch_xla annotates ``t`` in place and ``t`` itself is returned
-    (moved to the device first if it was a CPU tensor).
+    (moved to the device first if it was a CPU tensor). On the native engine a plain tensor
+    cannot change into a DTensor in place (``torch.utils.swap_tensors`` refuses: DTensor's
+    objects have another layout), so a call whose result is dropped leaves a plain ``t`` whole
+    and warns; parameters and buffers are replaced in their modules, as said above.
     """
     engine, spec, resolved = _checked("mark_sharding", t, mesh, partition_spec)
-    return engine.mark_sharding(t, mesh, spec, resolved)
+    out = engine.mark_sharding(t, mesh, spec, resolved)
+    if out is not t and type(t) is torch.Tensor and result_discarded():
+        warnings.warn(f"mark_sharding: the sharded tensor it returns is not used, and a plain tensor cannot become "
+                      f"one in place (a DTensor is another Python object): t stays whole on every process (the "
+                      f"values are the same; only the memory and the layout differ). Keep the result: "
+                      f"`t = mark_sharding(t, mesh, {tuple(partition_spec)!r})`", stacklevel=2)
+    return out
 
 
 def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> torch.Tensor:

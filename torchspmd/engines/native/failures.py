@@ -183,7 +183,38 @@ def _first_sentence(error: str) -> str:
     return error.split(". ")[0]
 
 
-def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = frozenset()) -> tuple[str, int]:
+MEMORY_EVENTS = "/sys/fs/cgroup/memory.events"  # cgroup v2: how often this group's OOM killer killed
+
+
+def oom_kills() -> int | None:
+    """The count of processes the kernel's out-of-memory killer ended in this cgroup, or None
+    where the machine does not say (cgroup v1, no /sys)."""
+    try:
+        with open(MEMORY_EVENTS) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def out_of_memory_hint(known: bool) -> str:
+    """What to say of a worker the kernel killed (SIGKILL): ``known`` when the cgroup's OOM-kill
+    count rose during the run."""
+    first = ("the kernel's out-of-memory killer ended it" if known else
+             "most likely the kernel's out-of-memory killer (nothing else here sends SIGKILL)")
+    return (f"torchspmd: {first}: the processes together needed more memory than the machine (or its container) "
+            f"has. The native engine runs eagerly and keeps every layer's activations for backward, where "
+            f"torch_xla's compiled graph can free or recompute them, so a program that fits under torch_xla may "
+            f"not fit here at the same batch. Fixes: activation checkpointing (checkpoint_module on each decoder "
+            f"layer, before FSDPv2), a smaller batch per device, fewer processes per host; `torchspmd plan` "
+            f"predicts the memory per process of a train job, and docs/performance.md says what a step holds.")
+
+
+def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = frozenset(),
+              oom_kills_at_start: int | None = None) -> tuple[str, int]:
     """The summary of a failed job and its exit status.
 
     The process that failed first is the earliest (by its recorded time) of those that
@@ -223,6 +254,9 @@ def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = froz
         else:
             what = f"was stopped ({o.status()}) after rank {r} failed"
         lines.append(f"torchspmd: rank {o.rank} {what}")
+    if any(x.error is None and not x.stopped and x.exitcode == -signal.SIGKILL for x in items):
+        now = oom_kills()
+        lines.append(out_of_memory_hint(now is not None and oom_kills_at_start is not None and now > oom_kills_at_start))
     if root.exitcode > 0:
         code = root.exitcode
     elif root.error is not None:

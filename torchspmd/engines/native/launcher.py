@@ -270,10 +270,11 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
     agent_log = AgentLog(quiet=int(parsed.max_restarts) == 0)
     logger = logging.getLogger(failures.AGENT_LOGGER)
     logger.addFilter(agent_log)
+    oom_at_start = failures.oom_kills()
     try:
         run(parsed)
     except ChildFailedError as e:
-        text, code = summarize(e.failures, agent_log.stopped)
+        text, code = summarize(e.failures, agent_log.stopped, oom_at_start)
         print(text, file=sys.stderr, flush=True)
         return code
     except SignalException as e:  # Ctrl-C, or a signal to the launcher: its workers were stopped
