@@ -22,10 +22,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torchspmd.engines.native import redistribution
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import get_global_mesh
 
-__all__ = ["explain", "Explanation", "ParamLayout", "Collective"]
+__all__ = ["explain", "Explanation", "ParamLayout", "Collective", "Regathered"]
 
 
 @dataclass
@@ -67,6 +68,21 @@ class Collective:
 
 
 @dataclass
+class Regathered:
+    """Redistributions DTensor refused (it raised), alike in op, place and layouts, which the
+    native engine did as a gather to Replicate on every mesh axis and a split to the target."""
+
+    op: str  # the op whose argument was redistributed ("aten.mm.default"); "redistribute": an explicit call
+    phase: str  # "forward" or "backward" (CommDebugMode's module tracker); "" without step_fn
+    module: str  # the module running ("Global": outside any); "" without step_fn
+    source: str  # placements before
+    target: str  # placements asked for
+    shape: tuple[int, ...]
+    error: str  # what DTensor raised
+    count: int
+
+
+@dataclass
 class Explanation:
     """What ``explain`` found: ``str()`` renders it as tables."""
 
@@ -76,6 +92,7 @@ class Explanation:
     total: int | None = None  # CommDebugMode.get_total_counts()
     gathered_whole: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    regathered: list[Regathered] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Calls per family (all_gather, reduce_scatter, all_reduce, ...), from CommDebugMode's counts."""
@@ -113,6 +130,16 @@ class Explanation:
                 lines.append("(none)")
             if self.comm_counts:
                 lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in self.comm_counts.items()))
+        if self.regathered:
+            lines.append("")
+            lines.append("Redistributions DTensor refused, done as a gather to Replicate and a split (exact; each "
+                         "moves the whole tensor)")
+            rows = [("op", "phase", "module", "from", "to", "shape", "calls")]
+            for r in self.regathered:
+                rows.append((r.op, r.phase or "?", r.module or "?", r.source, r.target,
+                             "x".join(map(str, r.shape)) or "scalar", str(r.count)))
+            lines += _table(rows)
+            lines += [f"DTensor raised: {e}" for e in dict.fromkeys(r.error for r in self.regathered)]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -384,11 +411,26 @@ def _clean_module(name: str) -> str:
     return ".".join(p for p in name.split(".") if p != "_orig_module") or name
 
 
-def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Collective], dict, int, list[str]]:
+def _regathered(events: list, counts: dict | None = None) -> list[Regathered]:
+    """``redistribution.Fallback`` records, alike ones counted together (``counts``: given)."""
+    rows: dict[tuple, int] = {}
+    for e in events:
+        key = (e.op, e.phase, e.module, e.source, e.target, e.shape, e.error)
+        rows[key] = rows.get(key, 0) + (counts[e] if counts is not None else 1)
+    return [Regathered(*key, count=n) for key, n in rows.items()]
+
+
+def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Collective], dict, int, list[str],
+                                                                          list[Regathered]]:
     import torch.distributed as dist
 
     mode = _comm_mode_class()()
-    with mode, warnings.catch_warnings():
+
+    def where() -> tuple[str, str]:
+        tracker = mode.advanced_module_tracker
+        return ("backward" if tracker.is_bw else "forward"), _clean_module(tracker.name)
+
+    with mode, warnings.catch_warnings(), redistribution.watching(where) as fallbacks:
         # CommDebugMode's module tracker puts a full backward hook on every module; torch warns
         # for each whose inputs need no gradient (the first layer's): the tracker's noise.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -433,7 +475,7 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
         notes.append("'?' axis: the group matches no axes of the parameters' meshes")
     if any(c.bytes is None for c in collectives):
         notes.append("'?' bytes: the call had no tensor arguments to measure")
-    return collectives, counts, total, notes
+    return collectives, counts, total, notes, _regathered(fallbacks)
 
 
 # -- the entry point --------------------------------------------------------------------
@@ -450,6 +492,10 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
     listed (``gathered_whole``); ``strict=True`` raises ``SpmdError`` naming them (before
     running ``step_fn``).
 
+    Redistributions DTensor refused and the native engine did as a gather and a split are
+    listed (``regathered``): with ``step_fn``, those of the step, with the op, the phase and
+    the module; without it, those this process did so far.
+
     Every process returns its ``Explanation``; rank 0 prints it.
     """
     import torch.distributed as dist
@@ -465,7 +511,11 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
         )
     result = Explanation(layouts, [], gathered_whole=whole)
     if step_fn is not None:
-        result.collectives, result.comm_counts, result.total, result.notes = _collectives(model, step_fn)
+        result.collectives, result.comm_counts, result.total, result.notes, result.regathered = _collectives(
+            model, step_fn)
+    else:  # those this process did so far (where, only a step_fn's tracker knows)
+        seen = redistribution.seen()
+        result.regathered = _regathered(list(seen), seen)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         print(result, flush=True)
     return result

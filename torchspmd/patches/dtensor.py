@@ -166,6 +166,42 @@ def counting_redistributions(seen: Callable[[], None]):
     return applied(REDISTRIBUTION_COUNT, install)
 
 
+REDISTRIBUTION_FALLBACK = Patch(
+    name="torch.distributed.tensor redistribute_local_tensor (fallback)",
+    library="torch",
+    what="DTensor's redistribute_local_tensor (as its dispatcher, its API and its redistribute module call it) "
+         "goes through the engine's fallback: a redistribution DTensor raises on is done again in two exact "
+         "steps (gathered to Replicate on every mesh axis, then split to the target)",
+    why="some layouts DTensor's sharding propagation chooses it cannot redistribute: a value split twice on one "
+        "dim (_StridedShard) over a 2D mesh raises \"_StridedShard redistribute assumes no flattened transforms\" "
+        "(torch 2.13 merges its per-axis gathers into one over the flattened mesh, then refuses to run the merged "
+        "step); Pattern 1 on a (data, model) mesh failed in backward (docs/guide.md)",
+    checked="2.13.0",
+    feature="Pattern 1 on meshes of two or more axes",
+    targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
+)
+
+
+def redistribute_through(fallback: Callable) -> None:
+    """Every call of DTensor's ``redistribute_local_tensor`` becomes ``fallback(original,
+    local, current_spec, target_spec, *args, **kwargs)`` (``original``: DTensor's function)."""
+    def install():
+        undo = []
+        for name in _REDISTRIBUTING_MODULES:
+            mod = importlib.import_module(name)
+            original = getattr(mod, "redistribute_local_tensor", None)
+            if original is None:  # another torch: its module calls the redistribute module's function
+                continue
+
+            def through(local, current_spec, target_spec, *a, _original=original, **k):
+                return fallback(_original, local, current_spec, target_spec, *a, **k)
+
+            undo.append(replace_attribute(mod, "redistribute_local_tensor", through))
+        return lambda: [u() for u in reversed(undo)]
+
+    apply(REDISTRIBUTION_FALLBACK, install)
+
+
 XLA_SHARDED_TENSOR = Patch(
     name="DTensor: XLAShardedTensor attributes",
     library="torch",

@@ -33,6 +33,7 @@ from torchspmd.engines.native import (
     launcher,
     module_slots,
     optimizer_steps,
+    redistribution,
     rng,
     sharded_view,
     sharding,
@@ -107,6 +108,7 @@ class NativeEngine(Engine):
         sharded_view.install()
         data_parallel.install_auto()
         dtensor_patches.guard_uneven_gathers()
+        redistribution.install()
         if dist.get_rank() != 0 and not topology.all_ranks_output():
             # The global view: the program prints once, as one process would.
             sys.stdout = open(os.devnull, "w")

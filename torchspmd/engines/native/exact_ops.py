@@ -331,11 +331,34 @@ def _default(op, args, kwargs):
         handlers[op] = mine
 
 
+def _split_twice_strided(x: DTensor) -> bool:
+    """Whether a dim is split over two or more mesh axes, one of them a ``_StridedShard`` (a
+    (sequence, batch) pair flattened with the batch split over 'data' and 'model'). DTensor's
+    view rule gives such an input an output layout holding the wrong number of elements per
+    process (torch 2.13: ``(24, 16)`` as ``(_StridedShard(0, sf=6),) * 2`` on a (2, 2) mesh, viewed
+    as ``(6, 16, 4)``, comes out split in 2 instead of 4, and the local view fails)."""
+    splits: dict[int, list] = {}
+    for p in x.placements:
+        if p.is_shard() or isinstance(p, _StridedShard):
+            splits.setdefault(p.dim, []).append(p)
+    return any(len(ps) > 1 and any(isinstance(p, _StridedShard) for p in ps) for ps in splits.values())
+
+
 def _view(op, args, kwargs):
     """Views of an unevenly split tensor (``logits.view(-1, V)`` on 5 rows over 2
     devices, attention heads folded into an odd batch) have no torch.chunk layout
-    DTensor can express: gather the uneven dims first (correct, but it moves the tensor)."""
+    DTensor can express: gather the uneven dims first (correct, but it moves the tensor).
+    A dim split twice with a ``_StridedShard`` among the splits is gathered too (DTensor's rule
+    gets its layout wrong: ``_split_twice_strided``). Both are decided from the global layout,
+    the same on every process."""
     x = args[0]
+    if _split_twice_strided(x):
+        mesh = x.device_mesh
+        whole = x.redistribute(mesh, [Replicate() if p.is_shard() or isinstance(p, _StridedShard) else p
+                                      for p in x.placements])
+        out = _default(op, (whole, *args[1:]), kwargs)
+        early_reductions.carry(x, out)
+        return out
     if not _uneven(x):
         try:
             out = _default(op, args, kwargs)
