@@ -200,8 +200,9 @@ def test_libraries_are_not_misled_and_trainers_are_torchspmds(api):
 
 
 def test_smaller_names_programs_use(api):
-    # a name the layer lacks is absent to a probe, as one torch_xla lacks
-    assert api["probes"] == [False, "default", False]
+    # a name torch_xla 2.9's xs has is there (a stand-in, failing at use); one it lacks is absent to a probe
+    # (wrap_as_sharded_tensor is xla_sharding's, not xs's)
+    assert api["probes"] == [True, False, "default", False]
     assert api["initialize_cache"] is None
     assert api["device_count"] == [4, ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]]  # torch_xla's under SPMD: the host's
     assert api["xla_sharding_names"] == [True, True]
@@ -215,7 +216,7 @@ EQUIVALENT = {
     "torch_xla.launch": "torchspmd run --xla-compat --nproc N",
     "xm.all_reduce": "torch.distributed.all_reduce",
     "from xm import all_gather": "torch.distributed.all_gather",
-    "xla_backend": "torch.distributed",
+    "xla_backend.ProcessGroupXla": "init_process_group('xla')",
     "ParallelLoader": "MpDeviceLoader",
     "XlaFullyShardedDataParallel": "SpmdFullyShardedDataParallel",
     "syncfree": "torch.optim",
@@ -223,27 +224,128 @@ EQUIVALENT = {
     "_XLAC._xla_get_default_device": None,
     "profiler.trace": "start_trace",
     "xm.set_rng_state": "torch.manual_seed(seed)",
-    "from xs import XLAShardedTensor": "DTensor",
+    "XLAShardedTensor(...)": "xs.mark_sharding(t, mesh, partition_spec)",
+    "a stand-in class's attribute": "SpmdFullyShardedDataParallel",
 }
-LOOKED_UP = {"xm.all_reduce", "_XLAC._xla_get_default_device", "xm.set_rng_state"}  # attribute lookups, not imports
+ATTRIBUTE_READ = {"a stand-in class's attribute"}  # an AttributeError: hasattr() is False
 
 
 @pytest.mark.parametrize("api_name", sorted(EQUIVALENT))
-def test_each_unprovided_api_names_itself_and_its_equivalent(api, api_name):
-    kind, is_import_error, is_attribute_error, text = api["errors"][api_name]
+def test_each_unprovided_api_imports_then_fails_at_use_naming_itself_and_its_equivalent(api, api_name):
+    """The import succeeded (api_checks.py imports each before using it); the use raised, on every
+    process alike."""
+    errors = [rank_errors[api_name] for rank_errors in api["errors_by_rank"]]
+    assert len(errors) == 4 and all(e == errors[0] for e in errors), errors
+    kind, is_import_error, is_attribute_error, text = errors[0]
     assert "is not provided under --xla-compat" in text, text
-    if api_name in LOOKED_UP:  # an AttributeError: hasattr() is False, getattr(m, name, default) the default
-        assert kind == "NotProvidedAttributeError" and is_attribute_error and not is_import_error, kind
-    else:  # an ImportError: `from m import name` shows this message, not a bare "cannot import name"
-        assert kind in ("NotProvidedError", "ModuleNotFoundError") and is_import_error, kind
+    if api_name in ATTRIBUTE_READ:
+        assert kind == "NotProvidedAttributeError" and is_attribute_error, kind
+    else:  # an ImportError too, as torch_xla's missing names: a program's `except ImportError` takes it
+        assert kind == "NotProvidedError" and is_import_error, kind
     if EQUIVALENT[api_name]:
         assert EQUIVALENT[api_name] in text, text
     assert api["private_is_attribute_error"]
 
 
 def test_a_rendezvous_of_some_processes_is_refused(api):
-    kind, _, _, text = api["errors"]["rendezvous of some"]
+    kind, _, _, text = api["errors_by_rank"][0]["rendezvous of some"]
     assert kind == "SpmdError" and "rendezvous(replicas=[0])" in text and "leave replicas empty" in text, text
+
+
+def test_torch_xlas_environment_and_topology_names(api):
+    assert api["xla_use_spmd"] == "1"  # as torch_xla's use_spmd sets it
+    assert api["xenv"] == ["PJRT_DEVICE", "PJRT_LOCAL_PROCESS_COUNT"]  # torch_xla's constants, as they are
+    for rank, seen in enumerate(api["topology_by_rank"]):
+        real = [f"CPU:{rank}"]
+        assert seen == [real, real, real, 4, 4, rank, rank == 0, rank == 0, rank, False, True], (rank, seen)
+
+
+def test_sharded_tensors_are_xla_sharded_tensors(api):
+    is_sharded, plain_is_sharded, text, through, gradient_ok, leaf = api["sharded_tensor"]
+    assert is_sharded and not plain_is_sharded
+    assert text == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"  # torch_xla's V1 text for ('a', None)
+    assert through == "{devices=[2,2]0,2,1,3}" and gradient_ok and leaf == ""  # MarkShardingFunction: a copy
+
+
+def test_init_process_group_after_use_spmd_reuses_the_group(api):
+    same, world, backend, mismatch = api["process_group"]
+    assert same and world == 4 and backend == "gloo"
+    kind, _, _, text = mismatch
+    assert kind == "SpmdError" and "world_size=5, the group has 4 processes" in text, text
+
+
+def test_every_module_and_name_imports_and_what_is_missing_fails_at_use(tmp_path):
+    """Every module and name of torch_xla 2.9's manifest under the switch (one process): each
+    imports and is one object however imported; every stand-in fails when used, naming its API;
+    constants are torch_xla's; what torch_xla lacks raises what torch_xla would."""
+    from torchspmd.compat import manifest
+
+    program, result = HERE / "every_name.py", tmp_path / "o.json"
+    r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(program), str(result)], capture_output=True,
+                       text=True, env=clean_env(OMP_NUM_THREADS=1), timeout=TIMEOUT, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert out["import_failures"] == [] and out["same_object"] == [] and out["constants"] == []
+    assert out["modules"] == len(manifest.modules())
+    assert out["names"] == sum(len(manifest.names(m)) for m in manifest.modules())
+    assert len(out["use"]) > 500  # (most of torch_xla's names are XLA's own)
+    for api_name, (stands_for, errors) in out["use"].items():
+        assert stands_for == api_name
+        message = f"{api_name} is not provided under --xla-compat"
+        if out["kinds"][api_name] == "class":
+            made, subclass_made, attribute, is_instance = errors
+            assert made[0] == "NotProvidedError" and made[1].startswith(message), (api_name, made)
+            assert subclass_made[0] == "NotProvidedError" and subclass_made[1].startswith(message), api_name
+            assert attribute[0] == "NotProvidedAttributeError" and attribute[1].startswith(f"{api_name}.some_attribute")
+            assert is_instance is False
+        else:
+            (called,) = errors
+            assert called[0] == "NotProvidedError" and called[1].startswith(message), (api_name, called)
+    lacking = out["lacking"]
+    assert lacking["name"][:3] == ["AttributeError", False, True]
+    assert lacking["from"][:2] == ["ImportError", True] and "cannot import name 'no_such_name'" in lacking["from"][3]
+    assert lacking["module"] == ["ModuleNotFoundError", True, False, "No module named 'torch_xla.no_such_module'"]
+    # torch_xla's private modules (its tests import torch_xla._internal.tpu) import; a name fails at use
+    used = lacking["private module's name used"]
+    assert used[0] == "NotProvidedError" and used[3].startswith("torch_xla._internal.tpu.version is not provided")
+    assert lacking["private module's dunder"][:3] == ["AttributeError", False, True]
+    assert lacking["private _XLAC name"][:3] == ["AttributeError", False, True]
+    assert out["xenv"] == ["PJRT_DEVICE", "TPU_MESH_CONTROLLER_ADDRESS", "CPU_NUM_DEVICES"]
+    # init_process_group('xla', init_method='xla://') before use_spmd, no launcher: a group of this process,
+    # which use_spmd() and a second call then use
+    assert out["process_group"] == ["gloo", 1, 0, "gloo", 1]
+
+
+INIT_FIRST = """
+import torch, torch.distributed as dist
+import torch_xla.distributed.xla_backend
+import torch_xla.runtime as xr
+import torch_xla.core.xla_model as xm
+dist.init_process_group('xla', init_method='xla://')
+group = dist.group.WORLD
+xr.use_spmd()
+t = torch.ones(1) * (xr.process_index() + 1)
+dist.all_reduce(t)
+xm.master_print('INIT_FIRST', dist.get_backend(), dist.get_world_size(), dist.group.WORLD is group, float(t))
+"""
+
+
+def test_init_process_group_xla_before_use_spmd_under_a_launcher(tmp_path):
+    """A program that starts the 'xla' process group itself (``xla://``), as torch_xla's
+    documentation shows, then turns SPMD on: the native backend's group of the launched
+    processes, which torchspmd then uses."""
+    program = tmp_path / "init_first.py"
+    program.write_text(INIT_FIRST)
+    out = _compat(program, 2, cwd=tmp_path)
+    assert [line for line in out.splitlines() if line.startswith("INIT_FIRST")] == ["INIT_FIRST gloo 2 True 3.0"], out
+
+
+def test_the_documented_names_are_the_codes():
+    """docs/xla_compat.md's tables of torch_xla's names are what ``python -m
+    torchspmd.compat.name_table`` makes from the manifest and the layer."""
+    r = subprocess.run([sys.executable, "-m", "torchspmd.compat.name_table", "--check"], capture_output=True,
+                       text=True, env=clean_env(OMP_NUM_THREADS=1), timeout=TIMEOUT, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_without_the_switch_nothing_changes():

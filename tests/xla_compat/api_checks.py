@@ -154,8 +154,8 @@ from torch_xla.distributed.spmd.xla_sharding import mark_sharding as sharding_ma
 from torch_xla.utils.checkpoint import checkpoint  # noqa: E402
 
 rank = xr.process_index()
-out["probes"] = [hasattr(xs, "wrap_as_sharded_tensor"), getattr(xr, "no_such_name", "default"),
-                 hasattr(torch_xla._XLAC, "_xla_no_such_function")]
+out["probes"] = [hasattr(xs, "shard_as"), hasattr(xs, "wrap_as_sharded_tensor"),
+                 getattr(xr, "no_such_name", "default"), hasattr(torch_xla._XLAC, "_xla_no_such_function")]
 out["initialize_cache"] = xr.initialize_cache(os.path.join(sys.argv[2], "xla_cache"), readonly=False)
 out["device_count"] = [torch_xla.device_count(), torch_xla.real_devices()]
 out["xla_sharding_names"] = [ShardingMesh is xs.Mesh, sharding_mark is xs.mark_sharding]
@@ -183,7 +183,7 @@ if n == 4:
         use_color=False)
     out["visualized"] = [table.row_count, len(table.columns)]
 
-# APIs the layer does not provide
+# APIs the layer does not provide: each imports, and fails when used, on every process
 
 
 def error_of(fn):
@@ -194,28 +194,72 @@ def error_of(fn):
     return None
 
 
-def from_import(module, name):
-    return lambda: exec(f"from {module} import {name}", {})
+def imported(module, name=None):
+    """``import module`` / ``from module import name`` (raises here if the import fails)."""
+    mod = importlib.import_module(module)
+    if name is None:
+        return mod
+    scope = {}
+    exec(f"from {module} import {name} as value", scope)
+    return scope["value"]
 
 
-out["errors"] = {
-    "xmp.spawn": error_of(lambda: importlib.import_module("torch_xla.distributed.xla_multiprocessing").spawn(print)),
+xmp = imported("torch_xla.distributed.xla_multiprocessing")
+all_gather = imported("torch_xla.core.xla_model", "all_gather")
+xla_backend = imported("torch_xla.distributed.xla_backend")
+ParallelLoader = imported("torch_xla.distributed.parallel_loader", "ParallelLoader")
+FSDPv1 = imported("torch_xla.distributed.fsdp", "XlaFullyShardedDataParallel")
+syncfree = imported("torch_xla.amp.syncfree")
+XLAShardedTensor = imported("torch_xla.distributed.spmd", "XLAShardedTensor")
+errors = {
+    "xmp.spawn": error_of(lambda: xmp.spawn(print)),
     "torch_xla.launch": error_of(lambda: torch_xla.launch(print)),
     "xm.all_reduce": error_of(lambda: xm.all_reduce("sum", [torch.ones(1)])),
-    "from xm import all_gather": error_of(lambda: exec("from torch_xla.core.xla_model import all_gather", {})),
-    "xla_backend": error_of(lambda: importlib.import_module("torch_xla.distributed.xla_backend")),
-    "ParallelLoader": error_of(from_import("torch_xla.distributed.parallel_loader", "ParallelLoader")),
-    "XlaFullyShardedDataParallel": error_of(from_import("torch_xla.distributed.fsdp", "XlaFullyShardedDataParallel")),
-    "syncfree": error_of(lambda: importlib.import_module("torch_xla.amp.syncfree")),
+    "from xm import all_gather": error_of(lambda: all_gather(torch.ones(1))),
+    "xla_backend.ProcessGroupXla": error_of(lambda: xla_backend.ProcessGroupXla(None, 0, 1, None)),
+    "ParallelLoader": error_of(lambda: ParallelLoader([], [torch_xla.device()])),
+    "XlaFullyShardedDataParallel": error_of(lambda: FSDPv1(nn.Linear(2, 2))),
+    "syncfree": error_of(lambda: syncfree.Adam(nn.Linear(2, 2).parameters())),
     "use_spmd(auto=True)": error_of(lambda: xr.use_spmd(auto=True)),
     "_XLAC._xla_get_default_device": error_of(lambda: torch_xla._XLAC._xla_get_default_device()),
     "profiler.trace": error_of(lambda: xp.trace("localhost:9012", d)),
     "xm.set_rng_state": error_of(lambda: xm.set_rng_state(0)),
-    "from xs import XLAShardedTensor": error_of(
-        lambda: exec("from torch_xla.distributed.spmd import XLAShardedTensor", {})),
+    "XLAShardedTensor(...)": error_of(lambda: XLAShardedTensor(torch.ones(2))),
+    "a stand-in class's attribute": error_of(lambda: imported("torch_xla.distributed.fsdp.xla_fully_sharded_data_"
+                                                              "parallel", "TrainingState").IDLE),
     "rendezvous of some": error_of(lambda: xm.rendezvous("some", replicas=[0])),
 }
+out["errors_by_rank"] = [json.loads(p) for p in xm.rendezvous("errors", json.dumps(errors).encode())]
 out["private_is_attribute_error"] = not hasattr(xm, "_no_such_private_name")
+
+# torch_xla's names for what it sets and asks (issue #44)
+import torch.distributed as dist  # noqa: E402
+import torch_xla.core.xla_env_vars as xenv  # noqa: E402
+from torch_xla.distributed.spmd.debugging import construct_v1_sharding_str  # noqa: E402
+from torch_xla.distributed.spmd.xla_sharding import MarkShardingFunction  # noqa: E402
+
+out["xla_use_spmd"] = os.environ.get("XLA_USE_SPMD")
+out["xenv"] = [xenv.PJRT_DEVICE, xenv.PJRT_LOCAL_PROCESS_COUNT]
+out["topology_by_rank"] = [json.loads(p) for p in xm.rendezvous("topology", json.dumps([
+    xm.xla_real_devices(), xm.xla_replication_devices(), xm.xla_replication_devices([xm.xla_device()]),
+    xr.local_process_count(), xr.process_count(), xr.process_index(), xm.is_master_ordinal(),
+    xm.is_master_ordinal(local=False), xm.get_ordinal(), xm.xla_device() == torch.device("xla", 0),
+    torch.zeros(1, device="xla").device == xm.xla_device()]).encode())]
+if n == 4:
+    mesh4 = xs.Mesh(np.arange(n), (2, 2), ("a", "b"))
+    sharded = xs.mark_sharding(torch.randn(4, 6), mesh4, ("a", None))
+    leaf = torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    through = MarkShardingFunction.apply(leaf, mesh4, ("b", "a"))
+    (through * through).sum().backward()
+    out["sharded_tensor"] = [isinstance(sharded, xs.XLAShardedTensor), isinstance(torch.ones(1), xs.XLAShardedTensor),
+                             construct_v1_sharding_str(sharded), construct_v1_sharding_str(through),
+                             bool(torch.allclose(leaf.grad, 2 * leaf.detach())), construct_v1_sharding_str(leaf)]
+# the program's own init_process_group after use_spmd started the group: the same group
+before = dist.group.WORLD
+dist.init_process_group("xla", init_method="xla://")
+dist.init_process_group("gloo", init_method="xla://")
+out["process_group"] = [dist.group.WORLD is before, dist.get_world_size(), dist.get_backend(),
+                        error_of(lambda: dist.init_process_group("gloo", world_size=n + 1))]
 
 if xr.process_index() == 0:
     with open(sys.argv[1], "w") as f:

@@ -1,5 +1,6 @@
 """Turning ``--xla-compat`` on in a process (``install``): the import finder, the ``'xla'``
-device, transformers' Trainer, and the torch_xla engine left out of the engine choice."""
+device, the ``'xla'`` process-group backend and ``xla://`` init method, transformers' Trainer,
+and the torch_xla engine left out of the engine choice."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import sys
 
 from torchspmd import engines
-from torchspmd.compat import _device
+from torchspmd.compat import _device, manifest, process_group, stand_ins
 from torchspmd.compat.names import PREFIXES, message
 from torchspmd.patches import imports as import_patches
 from torchspmd.patches import transformers as transformers_patches
@@ -40,6 +41,16 @@ class _AliasLoader(importlib.abc.Loader):
 
     def create_module(self, spec):
         return importlib.import_module(self.target)
+
+    def exec_module(self, module):
+        pass
+
+
+class _StandInLoader(importlib.abc.Loader):
+    """Makes a module of torch_xla's that the layer has no file for (``stand_ins.module``)."""
+
+    def create_module(self, spec):
+        return stand_ins.module(spec.name)
 
     def exec_module(self, module):
         pass
@@ -77,13 +88,22 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     @staticmethod
     def _alias(fullname: str, target: str):
-        if importlib.util.find_spec(target) is None:
-            api = fullname
-            raise ModuleNotFoundError(message(api), name=fullname)
-        target_spec = importlib.util.find_spec(target)
-        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(target),
-                                              is_package=target_spec.submodule_search_locations is not None)
-        return spec
+        try:
+            target_spec = importlib.util.find_spec(target)
+        except ModuleNotFoundError:  # (a parent the layer has no file for)
+            target_spec = None
+        if target_spec is not None:
+            # (a package of torch_xla's may be one file of the layer's: its submodules are then made of
+            # stand-ins and the names the layer provides)
+            package = target_spec.submodule_search_locations is not None or \
+                (manifest.has_module(fullname) and manifest.is_package(fullname))
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target), is_package=package)
+        if manifest.has_module(fullname) or manifest.is_private_module(fullname):
+            # torch_xla's module, the layer has no file for: made of stand-ins
+            return importlib.machinery.ModuleSpec(fullname, _StandInLoader(), is_package=manifest.is_package(fullname))
+        if fullname.startswith("torch_xla.") and not manifest.is_private_module(fullname):
+            return None  # a module torch_xla does not have: ModuleNotFoundError, as torch_xla gives
+        raise ModuleNotFoundError(message(fullname), name=fullname)
 
 
 def _patch_trainer_module(module) -> None:
@@ -129,5 +149,6 @@ def install() -> None:
                            "engine (start it without --xla-compat to run on torch_xla)")
     _STATE["installed"] = True
     _device.install()
+    process_group.install()
     if "transformers.trainer" in sys.modules:
         _patch_trainer_module(sys.modules["transformers.trainer"])

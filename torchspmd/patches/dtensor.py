@@ -206,7 +206,7 @@ XLA_SHARDED_TENSOR = Patch(
     name="DTensor: XLAShardedTensor attributes",
     library="torch",
     what="DTensor gets torch_xla's XLAShardedTensor attributes global_tensor, local_shards, sharding_spec, "
-         "sharding_type and load_local_shards_ (only names DTensor lacks)",
+         "sharding_type, partition_spec, mesh_shape and load_local_shards_ (only names DTensor lacks)",
     why="mark_sharding returns a DTensor where torch_xla returns an XLAShardedTensor; programs read these",
     checked="2.9.0, 2.13.0, 2.14.1",
     feature="torch_xla's XLAShardedTensor view",

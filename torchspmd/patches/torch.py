@@ -237,3 +237,32 @@ def _factories() -> list[str]:
             names.append(name)
     names += [n for n in ("normal", "scalar_tensor") if hasattr(torch, n)]
     return sorted(set(names))
+
+
+PROCESS_GROUP_XLA = Patch(
+    name="torch.distributed.init_process_group",
+    library="torch",
+    what="torch.distributed.init_process_group (and distributed_c10d's) is wrapped by a function given its "
+         "arguments first, which may change them or answer the call itself",
+    why="--xla-compat: torch_xla programs ask for the 'xla' backend and the 'xla://' init method, which PyTorch "
+        "lacks without torch_xla, and call init_process_group after use_spmd() has started the process group, "
+        "which PyTorch refuses (torch has no extension point for a second call)",
+    checked="2.13.0, 2.14.1",
+    feature="--xla-compat",
+    targets=("torch.distributed:init_process_group", "torch.distributed.distributed_c10d:init_process_group"),
+)
+
+
+def wrap_init_process_group(outer: Callable[[Callable], Callable]) -> None:
+    """``torch.distributed.init_process_group`` becomes ``outer(init_process_group)``."""
+    def install():
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        original = distributed_c10d.init_process_group
+        wrapped = functools.wraps(original)(outer(original))
+        undo = [replace_attribute(distributed_c10d, "init_process_group", wrapped),
+                replace_attribute(dist, "init_process_group", wrapped)]
+        return lambda: [u() for u in reversed(undo)]
+
+    apply(PROCESS_GROUP_XLA, install)

@@ -3,7 +3,7 @@ for every architecture. Stock ``transformers.Trainer`` / ``trl.SFTTrainer`` give
 ``TrainingArguments(**get_fsdp_training_args(model))`` train sharded, as
 ``torchspmd.hf.Trainer`` does."""
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 from torchspmd.hf.fsdp_v2 import get_fsdp_config, get_fsdp_training_args, use_fsdp_v2  # noqa: F401
 
 __getattr__ = not_provided("optimum.tpu.fsdp_v2")

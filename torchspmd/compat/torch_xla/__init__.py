@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import functools
-import sys
+import os
 
 import torch
 
 from torchspmd.compat import _device, _steps
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 __version__ = "2.9.0+torchspmd.compat"  # the torch_xla API this layer follows
+
+# torch_xla picks a PJRT device when none is configured and says which in PJRT_DEVICE (programs and
+# torch_xla's tests read it): here the native device's type, 'CPU' or 'CUDA'.
+os.environ.setdefault("PJRT_DEVICE", _device.native().type.upper())
 
 
 def device(index: int | None = None) -> torch.device:
@@ -69,44 +73,17 @@ def manual_seed(seed, device=None) -> None:
     torch.manual_seed(seed)
 
 
-def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool = False):
-
-    raise NotProvidedError(message("torch_xla.launch"))
-
-
-class _XLAC:
-    """``torch_xla._XLAC``: only ``_get_xla_sharding_spec``."""
-
-    @staticmethod
-    def _get_xla_sharding_spec(t) -> str:
-
-        return sharding_string(t)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):  # (the import system's questions: not a package)
-            raise AttributeError(name)
-
-        raise missing(f"torch_xla._XLAC.{name}")
-
-
-_XLAC = _XLAC()
-# `import torch_xla._XLAC` and `from torch_xla._XLAC import ...` find it as a module would be
-import sys as _sys  # noqa: E402
-
-_sys.modules.setdefault("torch_xla._XLAC", _XLAC)
-
 # As in torch_xla, `import torch_xla` makes these available as attributes.
-from torchspmd.compat.names import NotProvidedError, message, missing
 from torchspmd.compat.torch_xla import (  # noqa: E402,F401
+    _XLAC,
     core,
     debug,
     distributed,
     experimental,
-    runtime,  # noqa: E402
+    runtime,
     utils,
 )
 from torchspmd.compat.torch_xla.core import xla_model  # noqa: E402,F401
-from torchspmd.engines.native.sharded_view import sharding_string
 
 xr, xm = runtime, xla_model
 

@@ -9,17 +9,24 @@ process per device: ``process_index()`` / ``global_ordinal()`` are this process'
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from torchspmd import runtime as _ts
 from torchspmd.compat import _device
-from torchspmd.compat.names import NotProvidedError, message, not_provided
+from torchspmd.compat.names import NotProvidedError, message
+from torchspmd.compat.stand_ins import not_provided
 
 
 def use_spmd(auto: bool = False) -> None:
+    """``torchspmd.use_spmd()`` (with several configured devices and no launcher, the program is
+    started once per device). Sets ``XLA_USE_SPMD=1``, as torch_xla does (programs and torch_xla's
+    tests read it, or delete it when done)."""
     if auto:
         raise NotProvidedError(message("torch_xla.runtime.use_spmd(auto=True)"))
     _ts.use_spmd()
+    os.environ["XLA_USE_SPMD"] = "1"
 
 
 def is_spmd() -> bool:
@@ -28,6 +35,21 @@ def is_spmd() -> bool:
 
 def global_runtime_device_count() -> int:
     return _ts.global_runtime_device_count()
+
+
+def global_runtime_device_attributes() -> list[dict]:
+    """One dict per device of the mesh, as torch_xla's PJRT client describes a CPU or CUDA
+    device: ``{'name': 'CPU:0'}``... (TPUs add their coordinates; there are none here)."""
+    return [{"name": f"{device_type()}:{i}"} for i in range(global_runtime_device_count())]
+
+
+def runtime_device_attributes(device) -> dict:
+    """The attributes of one device named as torch_xla names it (``'CPU:1'``), or of this
+    process's device."""
+    name = str(device)
+    if not name.startswith(f"{device_type()}:"):  # ('xla:0', torch.device('cpu')...: this process's device)
+        name = f"{device_type()}:{dist.get_rank() if dist.is_initialized() else 0}"
+    return {"name": name}
 
 
 def addressable_runtime_device_count() -> int:
@@ -65,6 +87,11 @@ def process_index() -> int:
 
 def process_count() -> int:
     return dist.get_world_size() if dist.is_initialized() else _ts.global_runtime_device_count()
+
+
+def local_process_count() -> int:
+    """The processes on this host: one per device here (torch_xla under SPMD: 1, its one process)."""
+    return _ts.local_device_count()
 
 
 def host_index() -> int:

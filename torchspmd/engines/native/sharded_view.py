@@ -13,6 +13,8 @@ attributes torch_xla programs read from the ``XLAShardedTensor`` it returns:
 - ``sharding_spec``: XLA's HLO sharding text (``{devices=[4,1]0,1,2,3}``);
 - ``sharding_type``: a ``ShardingType`` (REPLICATED, TILED, or PARTIAL when some mesh axes
   split nothing and hold copies);
+- ``partition_spec``: per dim, the index of the mesh dim that splits it (a tuple of them when
+  several do, None when none), and ``mesh_shape``: the shape of the tensor's mesh;
 - ``load_local_shards_(shards)``: write this process's shard from an ``XLAShard`` (padded
   or not), in place.
 
@@ -123,11 +125,24 @@ def sharding_string(t) -> str:
     return hlo.text(grid, [sorted(d) for d in dims])
 
 
+def _partition_spec(t: DTensor) -> tuple:
+    """torch_xla's ``partition_spec`` of a sharded tensor: for each dim, the mesh dim that
+    splits it (an int; a tuple when several do; None when none), on the tensor's own mesh."""
+    spec: list = [None] * t.ndim
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Shard):
+            spec[p.dim] = mesh_dim if spec[p.dim] is None else (
+                (*spec[p.dim], mesh_dim) if isinstance(spec[p.dim], tuple) else (spec[p.dim], mesh_dim))
+    return tuple(spec)
+
+
 _ATTRIBUTES = {
     "global_tensor": property(lambda self: self),
     "local_shards": property(lambda self: [_local_shard(self)]),
     "sharding_spec": property(sharding_string),
     "sharding_type": property(_sharding_type),
+    "partition_spec": property(_partition_spec),
+    "mesh_shape": property(lambda self: tuple(self.device_mesh.shape)),
     "load_local_shards_": _load_local_shards_,
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from torchspmd.compat import _device
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 
 def autocast(device=None, enabled: bool = True, dtype: torch.dtype | None = None, cache_enabled=None):

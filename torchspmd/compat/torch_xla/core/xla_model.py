@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchspmd.compat import _device, _steps
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 from torchspmd.compat.torch_xla import runtime as _xr
 from torchspmd.engines.native.state import quiet_gathers
 from torchspmd.errors import SpmdError
@@ -32,6 +32,30 @@ def is_xla_tensor(tensor: torch.Tensor) -> bool:
 
 def get_xla_supported_devices(devkind: str | None = None, max_devices: int | None = None) -> list[str]:
     return [str(_device.native())]
+
+
+def _real_device(device) -> str:
+    if _device.is_xla(device) or torch.device(device) == _device.native():
+        return f"{_xr.device_type()}:{_xr.global_ordinal()}"
+    raise RuntimeError(f"xla_real_devices: {device!r} is not this process's device ({_device.native()}, 'xla' under "
+                       f"--xla-compat): an SPMD program sees one device")
+
+
+def xla_real_devices(devices=None) -> list[str]:
+    """The devices' names as torch_xla gives them (``'CPU:0'``): this process's device, whose
+    number is its rank (one process per device). ``devices`` defaults to this process's."""
+    return [_real_device(d) for d in (devices or get_xla_supported_devices())]
+
+
+def xla_replication_devices(local_devices=None) -> list[str]:
+    """The devices a replicated computation runs on: this process's one device, as torch_xla's
+    one process sees under SPMD (``xr.world_size()`` is 1). ``local_devices`` must name this
+    process's device (it defaults to it)."""
+    real = xla_real_devices(local_devices)
+    if len(real) != 1:
+        raise RuntimeError(f"Cannot replicate if number of devices ({len(real)}) is different from 1 (an SPMD "
+                           f"program sees one device)")
+    return real
 
 
 def mark_step(wait: bool = False, reset_scope: bool = True) -> None:

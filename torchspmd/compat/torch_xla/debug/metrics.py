@@ -13,7 +13,7 @@ import torch
 
 from torchspmd import runtime as _rt
 from torchspmd.compat import _device
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 
 def counter_names() -> list[str]:

@@ -4,7 +4,7 @@
 ``log_dir`` (TensorBoard's format, one file per process); ``Trace`` / ``StepTrace`` /
 ``trace_me`` label regions (``record_function``), ``StepTrace`` also ends a step on exit.
 ``start_server`` returns a handle and starts nothing: there is no profiler server to
-connect ``trace()`` or TensorBoard's capture to (``trace`` raises); use ``start_trace``."""
+connect ``trace()`` or TensorBoard's capture to (``trace`` is not provided); use ``start_trace``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 import torch
 
 from torchspmd.compat import _steps
-from torchspmd.compat.names import NotProvidedError, message, not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 _PROFILE: list = []
 
@@ -26,10 +26,6 @@ class _Server:
 
 def start_server(port: int, only_on_master: bool = True) -> _Server:
     return _Server(port)
-
-
-def trace(service_addr: str, logdir: str, duration_ms: int = 1000, *args, **kwargs):
-    raise NotProvidedError(message("torch_xla.debug.profiler.trace"))
 
 
 def start_trace(log_dir, create_perfetto_link: bool = False, create_perfetto_trace: bool = False) -> None:

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from torchspmd.checkpoint_files import barrier, fsync_dir, rank
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 from torchspmd.errors import SpmdError
 
 

@@ -1,5 +1,5 @@
 """``torch_xla.utils`` under ``--xla-compat``."""
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 __getattr__ = not_provided("torch_xla.utils")

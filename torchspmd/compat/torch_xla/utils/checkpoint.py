@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.utils.checkpoint
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 
 def checkpoint(function, *args, use_reentrant: bool = True, **kwargs):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 
 
 class SampleGenerator:

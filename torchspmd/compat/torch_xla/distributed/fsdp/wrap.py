@@ -1,6 +1,6 @@
 """``torch_xla.distributed.fsdp.wrap`` under ``--xla-compat``: the auto-wrap policies."""
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 from torchspmd.wrapping import (  # noqa: F401
     always_wrap_policy,
     lambda_auto_wrap_policy,

@@ -3,8 +3,14 @@ annotations. ``mark_sharding`` annotates a parameter or buffer in place (and ret
 sharded tensor: a DTensor on the native engine, where torch_xla returns an
 ``XLAShardedTensor``)."""
 
-from torchspmd.compat.names import not_provided
+from torchspmd.compat.stand_ins import not_provided
 from torchspmd.compat.torch_xla.distributed.spmd import debugging  # noqa: F401
+from torchspmd.compat.torch_xla.distributed.spmd.api import (  # noqa: F401
+    auto_policy,
+    convert_to_xla_mesh,
+    xla_distribute_module,
+    xla_distribute_tensor,
+)
 from torchspmd.mesh import (  # noqa: F401
     HybridMesh,
     Mesh,
@@ -28,6 +34,7 @@ def apply_backward_optimization_barrier(m) -> None:
     engine runs operations as issued."""
 
 __all__ = ["HybridMesh", "Mesh", "ShardingSpec", "ShardingType", "XLAShard", "apply_backward_optimization_barrier",
+           "auto_policy", "convert_to_xla_mesh", "xla_distribute_module", "xla_distribute_tensor",
            "clear_sharding", "disable_manual_sharding", "enable_manual_sharding", "get_1d_mesh", "get_global_mesh",
            "mark_sharding", "mark_sharding_with_gradients", "set_global_mesh"]
 __getattr__ = not_provided("torch_xla.distributed.spmd")

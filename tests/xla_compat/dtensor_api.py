@@ -1,0 +1,66 @@
+"""PyTorch's DTensor API on a mesh of the 'xla' device type, as torch_xla's SPMD guide uses it
+(init_device_mesh('xla', ...), distribute_tensor, distribute_module), under --xla-compat.
+Writes one file per process (rank{R}.json in the directory given as its argument): what the program sees, with the values plain PyTorch gives
+for the same tensors (computed before anything is distributed)."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch_xla.runtime as xr
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
+
+xr.use_spmd()
+world = xr.global_runtime_device_count()
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+out = {"world": world}
+
+mesh = init_device_mesh("xla", mesh_shape=(world,))
+big = torch.randn(13, 6)  # 13 rows: not divisible by 2 or 4
+dt = distribute_tensor(big, mesh, [Shard(0)])
+out["type"] = type(dt).__name__
+out["placements"] = [repr(p) for p in dt.placements]
+chunks = big.chunk(world)  # DTensor's Shard splits as torch.chunk does
+out["local_equal"] = torch.equal(dt.to_local(), chunks[rank] if rank < len(chunks) else big[:0])
+out["full_equal"] = torch.equal(dt.full_tensor(), big)
+rep = distribute_tensor(big, mesh)  # no placements: replicated
+out["replicated"] = [repr(p) for p in rep.placements] == [repr(Replicate())] and torch.equal(rep.to_local(), big)
+
+mesh2 = init_device_mesh("xla", mesh_shape=(2, world // 2), mesh_dim_names=("a", "b"))
+dt2 = distribute_tensor(big, mesh2, [Shard(1), Shard(0)])
+out["mesh2_names"] = list(dt2.device_mesh.mesh_dim_names)
+out["mesh2_full_equal"] = torch.equal(dt2.full_tensor(), big)
+
+model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+x = torch.randn(5, 6)
+expected = model(x).detach().clone()
+
+
+def partition(name, module, device_mesh):
+    if isinstance(module, nn.Linear):
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)]))
+
+
+seen = {}
+
+
+def input_fn(module, inputs, device_mesh):
+    seen["input"] = True  # (returns None: the inputs stay as they are)
+
+
+def output_fn(module, outputs, device_mesh):
+    seen["output"] = True
+    return outputs
+
+
+sharded = distribute_module(model, mesh, partition, input_fn=input_fn, output_fn=output_fn)
+y = sharded(x)
+out["module_weight_types"] = [type(m.weight).__name__ for m in sharded if isinstance(m, nn.Linear)]
+out["module_output_close"] = torch.allclose(y.full_tensor() if isinstance(y, DTensor) else y, expected, rtol=1e-5,
+                                            atol=1e-6)
+out["hooks"] = sorted(seen)
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)

@@ -1,0 +1,17 @@
+"""``torch_xla._XLAC`` (torch_xla's C++ bindings) under ``--xla-compat``: ``_get_xla_sharding_spec``.
+Its other names are stand-ins that raise ``NotProvidedError`` when called: they reach into
+XLA's runtime, compiler and IR, which the native engine does not have."""
+
+from __future__ import annotations
+
+from torchspmd.compat.stand_ins import not_provided
+from torchspmd.engines.native.sharded_view import sharding_string
+
+
+def _get_xla_sharding_spec(t) -> str:
+    """The HLO sharding text of ``t``'s layout as torch_xla prints it (``{devices=[4,1]0,1,2,3}``,
+    ``{replicated}``; ``''`` for a tensor without sharding)."""
+    return sharding_string(t)
+
+
+__getattr__ = not_provided("torch_xla._XLAC")
