@@ -35,3 +35,4 @@ def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
         assert out["mesh2_names"] == ["a", "b"] and out["mesh2_full_equal"], out
         assert out["module_weight_types"] == ["DTensor", "DTensor"], out
         assert out["module_output_close"] and out["hooks"] == ["input", "output"], out
+        assert out["redistributed"] == [[None, 0], [world], True, [0, None]], out

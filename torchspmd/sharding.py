@@ -15,6 +15,7 @@ divide evenly is split like ``torch.chunk``: every device but the last ones gets
 from __future__ import annotations
 
 import abc
+import copyreg
 import warnings
 from typing import Any, Tuple, Union
 
@@ -134,11 +135,22 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     (moved to the device first if it was a CPU tensor). On the native engine a plain tensor
     cannot change into a DTensor in place (``torch.utils.swap_tensors`` refuses: DTensor's
     objects have another layout), so a call whose result is dropped leaves a plain ``t`` whole
-    and warns; parameters and buffers are replaced in their modules, as said above.
+    and warns; parameters and buffers are replaced in their modules, as said above. A tensor
+    whose object has DTensor's layout (under ``--xla-compat``, what the program put on
+    ``'xla'``) becomes the sharded tensor in place, as on torch_xla.
     """
     engine, spec, resolved = _checked("mark_sharding", t, mesh, partition_spec)
     out = engine.mark_sharding(t, mesh, spec, resolved)
-    if out is not t and type(t) is torch.Tensor and result_discarded():
+    if out is t or isinstance(t, torch.nn.Parameter) or type(t) is type(out):
+        return out
+    if copyreg._slotnames(type(t)) == copyreg._slotnames(type(out)):
+        # t's object has the result's layout (--xla-compat's tensors on 'xla'): it becomes the result in place
+        try:
+            torch.utils.swap_tensors(t, out)
+            return t
+        except RuntimeError:  # (held elsewhere: by autograd for backward, a weak reference...)
+            pass
+    if result_discarded():
         warnings.warn(f"mark_sharding: the sharded tensor it returns is not used, and a plain tensor cannot become "
                       f"one in place (a DTensor is another Python object): t stays whole on every process (the "
                       f"values are the same; only the memory and the layout differ). Keep the result: "

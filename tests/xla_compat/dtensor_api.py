@@ -34,6 +34,16 @@ dt2 = distribute_tensor(big, mesh2, [Shard(1), Shard(0)])
 out["mesh2_names"] = list(dt2.device_mesh.mesh_dim_names)
 out["mesh2_full_equal"] = torch.equal(dt2.full_tensor(), big)
 
+# torch_xla's XLAShardedTensor.redistribute takes its Mesh; the attributes torch_xla's tests read
+import numpy as np  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+
+xs_mesh = xs.Mesh(np.arange(world), (world,))
+st = xs.mark_sharding(big.clone(), xs_mesh, (0, None))
+moved = st.redistribute(xs_mesh, [Shard(1)])
+out["redistributed"] = [moved.partition_spec, list(moved.mesh_shape), torch.equal(moved.full_tensor(), big),
+                        st.partition_spec]
+
 model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
 x = torch.randn(5, 6)
 expected = model(x).detach().clone()

@@ -16,6 +16,7 @@ import os
 import torch
 
 from torchspmd import runtime
+from torchspmd.compat import xla_tensors
 from torchspmd.patches import torch as torch_patches
 
 
@@ -39,4 +40,4 @@ def _map(d):
 
 def install() -> None:
     """The ``'xla'`` device means this process's (``torchspmd.patches.torch.XLA_DEVICE``)."""
-    torch_patches.map_device(is_xla, native)
+    torch_patches.map_device(is_xla, native, xla_tensors.placed)

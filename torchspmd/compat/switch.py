@@ -14,6 +14,8 @@ import sys
 from torchspmd import engines
 from torchspmd.compat import _device, manifest, process_group, stand_ins
 from torchspmd.compat.names import PREFIXES, message
+from torchspmd.mesh import Mesh
+from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.patches import imports as import_patches
 from torchspmd.patches import transformers as transformers_patches
 
@@ -150,5 +152,6 @@ def install() -> None:
     _STATE["installed"] = True
     _device.install()
     process_group.install()
+    dtensor_patches.redistribute_to_meshes(lambda mesh: mesh.device_mesh if isinstance(mesh, Mesh) else None)
     if "transformers.trainer" in sys.modules:
         _patch_trainer_module(sys.modules["transformers.trainer"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Callable, Iterator
 
@@ -223,3 +224,36 @@ def add_dtensor_attributes(attributes: dict) -> None:
         return lambda: [u() for u in reversed(undo)]
 
     apply(XLA_SHARDED_TENSOR, install)
+
+
+REDISTRIBUTE_MESH = Patch(
+    name="DTensor.redistribute (a Mesh)",
+    library="torch",
+    what="DTensor.redistribute takes a mesh given as another object than a DeviceMesh (a torchspmd Mesh) and "
+         "turns it into its DeviceMesh first; every other call is DTensor's own",
+    why="--xla-compat: torch_xla's XLAShardedTensor.redistribute(mesh, placements) takes its Mesh (xs.Mesh), "
+        "which DTensor refuses as another mesh ('Cross device mesh comm not supported')",
+    checked="2.13.0, 2.14.1",
+    feature="--xla-compat",
+    targets=("torch.distributed.tensor:DTensor.redistribute",),
+)
+
+
+def redistribute_to_meshes(to_device_mesh: Callable) -> None:
+    """``DTensor.redistribute(mesh, ...)`` with ``mesh`` not a DeviceMesh: ``to_device_mesh(mesh)``
+    (None when it is no mesh known to the caller, which leaves the call as it is)."""
+    def install():
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+
+        original = DTensor.redistribute
+
+        @functools.wraps(original)
+        def redistribute(self, device_mesh=None, placements=None, *args, **kwargs):
+            if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+                device_mesh = to_device_mesh(device_mesh) or device_mesh
+            return original(self, device_mesh, placements, *args, **kwargs)
+
+        return replace_attribute(DTensor, "redistribute", redistribute)
+
+    apply(REDISTRIBUTE_MESH, install)

@@ -163,7 +163,8 @@ XLA_DEVICE = Patch(
     name="torch: the 'xla' device",
     library="torch",
     what="Tensor.to, Tensor.new_*, every torch.* factory with a device argument and torch.autocast take 'xla' "
-         "(or 'xla:N', torch.device('xla')) to mean this process's device",
+         "(or 'xla:N', torch.device('xla')) to mean this process's device; a plain tensor they put there comes "
+         "back as an OnXlaDevice (a plain tensor whose object has DTensor's layout)",
     why="--xla-compat: torch_xla programs name the 'xla' device, which PyTorch cannot use without torch_xla",
     checked="2.13.0, 2.14.1",
     feature="--xla-compat",
@@ -171,14 +172,16 @@ XLA_DEVICE = Patch(
 )
 
 
-def map_device(is_xla: Callable, native: Callable) -> None:
-    """Calls given a device for which ``is_xla(d)`` holds get ``native()`` instead."""
+def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda source, t: t) -> None:
+    """Calls given a device for which ``is_xla(d)`` holds get ``native()`` instead; their result
+    is ``placed(source, result)`` (``source``: the tensor ``.to`` was called on, else None)."""
     def wrap_device_kwarg(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             d = kwargs.get("device")
             if d is not None and is_xla(d):
                 kwargs["device"] = native()
+                return placed(None, fn(*args, **kwargs))
             return fn(*args, **kwargs)
 
         return call
@@ -186,12 +189,13 @@ def map_device(is_xla: Callable, native: Callable) -> None:
     def wrap_to(fn):
         @functools.wraps(fn)
         def to(self, *args, **kwargs):
+            xla = False
             if args and is_xla(args[0]):
-                args = (native(),) + args[1:]
+                args, xla = (native(),) + args[1:], True
             d = kwargs.get("device")
             if d is not None and is_xla(d):
-                kwargs["device"] = native()
-            return fn(self, *args, **kwargs)
+                kwargs["device"], xla = native(), True
+            return placed(self, fn(self, *args, **kwargs)) if xla else fn(self, *args, **kwargs)
 
         return to
 

@@ -30,7 +30,10 @@ def use_spmd(auto: bool = False) -> None:
 
 
 def is_spmd() -> bool:
-    return _ts.is_spmd()
+    """Whether SPMD is on, as torch_xla says it: ``use_spmd()`` ran and ``XLA_USE_SPMD`` is
+    still 1 (torch_xla reads the variable; a program that deletes it turns the answer off,
+    and the next ``use_spmd()`` on again; the engine itself keeps running)."""
+    return _ts.is_spmd() and os.environ.get("XLA_USE_SPMD") == "1"
 
 
 def global_runtime_device_count() -> int:

@@ -1,8 +1,43 @@
-"""``torch_xla.utils.utils`` under ``--xla-compat``: ``SampleGenerator``."""
+"""``torch_xla.utils.utils`` under ``--xla-compat``: ``SampleGenerator`` and the small pure
+helpers programs and torch_xla's tests use (environment flags, ``as_list``, free ports)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+
 from torchspmd.compat.stand_ins import not_provided
+
+
+def as_list(t):
+    """``t`` if it is a list or tuple, else ``[t]``."""
+    return t if isinstance(t, (tuple, list)) else [t]
+
+
+def getenv_as(name: str, type, defval=None):
+    """The environment variable ``name`` converted by ``type`` (a bool from its integer), or
+    ``defval`` when it is unset."""
+    env = os.environ.get(name)
+    if env is None:
+        return defval
+    return bool(int(env)) if type is bool else type(env)
+
+
+def check_env_flag(name: str, default: str = "") -> bool:
+    """Whether the environment variable ``name`` is ``'true'`` or a positive integer."""
+    flag = os.getenv(name, default)
+    return flag == "true" or (flag.isdigit() and int(flag) > 0)
+
+
+def get_free_tcp_ports(n: int = 1) -> list[int]:
+    """``n`` TCP ports free on this host now."""
+    ports = []
+    for _ in range(n):
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("", 0))
+            ports.append(s.getsockname()[1])
+    return ports
 
 
 class SampleGenerator:
