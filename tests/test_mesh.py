@@ -137,3 +137,40 @@ def test_a_dropped_annotation_of_a_plain_tensor_warns(dist):
     n, t_type, u_type, kept, where = same_on_every_rank(dist(2).run(_annotate_and_drop))
     assert (n, t_type, u_type, kept) == (1, "Tensor", "DTensor", []), (n, t_type, u_type, kept)
     assert where == __file__  # the warning points at the program's line
+
+
+def _compare_across_layouts():
+    import torch
+
+    mesh = Mesh(np.arange(2), (2,), ("d",))
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    rows, cols = ts.mark_sharding(x.clone(), mesh, ("d", None)), ts.mark_sharding(x.clone(), mesh, (None, "d"))
+    near = x + 1e-7 * torch.randn(5, 3)
+    return [torch.allclose(rows, cols), torch.equal(rows, cols), torch.allclose(rows, cols + 1),
+            torch.allclose(rows, ts.mark_sharding(near, mesh, (None, "d"))), torch.equal(rows, x),
+            torch.allclose(x, near), torch.equal(x, near)]
+
+
+def test_allclose_and_equal_compare_whole_values_across_layouts(dist):
+    got = same_on_every_rank(dist(2).run(_compare_across_layouts))
+    # the last two are plain PyTorch's answers for the same whole values
+    assert got == [True, True, False, got[-2], True, got[-2], got[-1]] and got[-2] is True and got[-1] is False
+
+
+def _relayout_in_place():
+    import torch
+
+    mesh = Mesh(np.arange(2), (2,), ("d",))
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    t = ts.mark_sharding(x.clone(), mesh, ("d", None))
+    kept = ts.mark_sharding(t, mesh, (None, "d"))  # the result used: t stays as it was
+    before = [str(p) for p in t.placements], [str(p) for p in kept.placements]
+    ts.mark_sharding(t, mesh, (None, "d"))  # dropped: t itself is re-laid out, as on torch_xla
+    return before, [str(p) for p in t.placements], torch.equal(t.full_tensor(), x)
+
+
+def test_a_sharded_tensor_marked_again_with_the_result_dropped_changes_in_place(dist):
+    before, after, same = same_on_every_rank(dist(2).run(_relayout_in_place))
+    assert before == (["S(0)"], ["S(1)"]) and after == ["S(1)"] and same

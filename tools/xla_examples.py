@@ -10,7 +10,8 @@ loss: ...``: the first training step ran) or fails, or ``--timeout`` seconds pas
 of each process (its largest resident set, from ``/proc``) is sampled while it runs.
 
 A result is one of: ``trains`` (the first loss line came; the run is then stopped), ``refused``
-(an API the layer does not provide, named with its reason), ``out of memory`` (or over ``--memory-cap-gb`` together), ``fails`` (anything
+(an API the layer does not provide, named with its reason), ``out of memory`` (or over
+``--memory-cap-gb`` together), ``fails`` (anything
 else, with the error), ``no step within the time`` (still in its first step when the time ran out).
 Writes ``results.json`` and ``results.md`` under ``--out`` and the table between the markers in
 ``--doc``.
@@ -174,13 +175,23 @@ def main(argv: list[str]) -> None:
     p.add_argument("--memory-cap-gb", type=float, default=14, help="stop a run whose processes hold more")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "xla_examples")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_compat.md")
+    p.add_argument("--xla-python", type=Path, default=XLA_PYTHON, help="a python with torch_xla, for the memory "
+                                                                       "comparison")
+    p.add_argument("--compare-at", type=int, nargs="*", default=[4096],
+                   help="MLP widths (intermediate_size; the examples' is 32768) at which the FSDPv2 decoder example "
+                        "runs on both runtimes, for the peak memory per device")
     a = p.parse_args(argv)
-    rows = []
+    rows, compared = [], []
     with tempfile.TemporaryDirectory(prefix="xla-examples-") as tmp:
         examples = _checkout(a.xla, a.ref, Path(tmp))
         for rel in a.examples:
             rows.append(run_example(examples, rel, a.nproc, a.timeout, a.memory_cap_gb))
             print(json.dumps(rows[-1]), flush=True)
+        for width in a.compare_at if a.xla_python.exists() else []:
+            ours = run_example(examples, EXAMPLES[0], a.nproc, a.timeout, a.memory_cap_gb, None, width)
+            theirs = run_example(examples, EXAMPLES[0], a.nproc, a.timeout, a.memory_cap_gb, a.xla_python, width)
+            compared.append({"intermediate_size": width, "torchspmd": ours, "torch_xla": theirs})
+            print(json.dumps(compared[-1]), flush=True)
     lines = [f"| example | under --xla-compat, {a.nproc} processes | peak RSS per process (GB) | detail |",
              "|---|---|---|---|"]
     for r in rows:

@@ -137,20 +137,23 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     objects have another layout), so a call whose result is dropped leaves a plain ``t`` whole
     and warns; parameters and buffers are replaced in their modules, as said above. A tensor
     whose object has DTensor's layout (under ``--xla-compat``, what the program put on
-    ``'xla'``) becomes the sharded tensor in place, as on torch_xla.
+    ``'xla'``) becomes the sharded tensor in place, as on torch_xla, and so does a DTensor
+    marked again by a call whose result is dropped.
     """
     engine, spec, resolved = _checked("mark_sharding", t, mesh, partition_spec)
     out = engine.mark_sharding(t, mesh, spec, resolved)
-    if out is t or isinstance(t, torch.nn.Parameter) or type(t) is type(out):
+    if out is t or isinstance(t, torch.nn.Parameter):
         return out
-    if copyreg._slotnames(type(t)) == copyreg._slotnames(type(out)):
-        # t's object has the result's layout (--xla-compat's tensors on 'xla'): it becomes the result in place
+    dropped = result_discarded()
+    # t's object has the result's layout (a DTensor re-laid out by a call whose result is dropped; under
+    # --xla-compat, a tensor the program put on 'xla'): it becomes the result in place, as on torch_xla
+    if copyreg._slotnames(type(t)) == copyreg._slotnames(type(out)) and (type(t) is not type(out) or dropped):
         try:
             torch.utils.swap_tensors(t, out)
             return t
         except RuntimeError:  # (held elsewhere: by autograd for backward, a weak reference...)
             pass
-    if result_discarded():
+    if dropped and type(t) is not type(out):
         warnings.warn(f"mark_sharding: the sharded tensor it returns is not used, and a plain tensor cannot become "
                       f"one in place (a DTensor is another Python object): t stays whole on every process (the "
                       f"values are the same; only the memory and the layout differ). Keep the result: "

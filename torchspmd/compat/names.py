@@ -82,6 +82,8 @@ EQUIVALENTS = {
 
 # Names the layer provides, but not exactly as torch_xla does: why (docs/xla_compat.md shows each).
 DIFFERENCES = {
+    "torch_xla.experimental.eager_mode":
+        "nothing to switch: operations always run as issued (eager_mode(False) does not turn graph tracing on)",
     "torch_xla.distributed.spmd.api.auto_policy":
         "the marker of XLA's auto-sharding: distribute_module with it (or with no partition_fn) on an 'xla' mesh, "
         "or a call of it, raises NotProvidedError; the sharding would be the XLA compiler's choice",

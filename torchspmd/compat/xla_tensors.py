@@ -15,10 +15,12 @@ through their modules, as before.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["OnXlaDevice", "placed", "shard_in_place"]
+__all__ = ["OnXlaDevice", "placed", "shard_in_place", "clear_in_place"]
 
 
 class OnXlaDevice(torch.Tensor):
@@ -27,13 +29,23 @@ class OnXlaDevice(torch.Tensor):
     __slots__ = tuple(getattr(DTensor, "__slots__", ()))
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:  # (a copy is one too: a plain tensor's copy, as OnXlaDevice)
+            memo[id(self)] = copy.deepcopy(self.as_subclass(torch.Tensor), memo).as_subclass(OnXlaDevice)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):  # saved (torch.save, pickle) as the plain tensor it is
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
 
 def placed(source, result):
     """What a call that put a tensor on ``'xla'`` returns: a plain tensor as an ``OnXlaDevice``
     (sharing its data and its place in autograd), anything else as it is."""
-    if type(result) is torch.Tensor and not isinstance(source, torch.nn.Parameter):
-        return result.as_subclass(OnXlaDevice)
-    return result
+    if type(result) is not torch.Tensor or isinstance(source, torch.nn.Parameter):
+        return result
+    if result.grad_fn is None:  # a leaf stays a leaf (as_subclass would make an alias in the graph)
+        return torch.Tensor._make_subclass(OnXlaDevice, result, result.requires_grad)
+    return result.as_subclass(OnXlaDevice)
 
 
 def shard_in_place(t, sharded) -> bool:
@@ -46,3 +58,17 @@ def shard_in_place(t, sharded) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def clear_in_place(t, whole):
+    """``xs.clear_sharding(t)``: torch_xla drops the annotation of ``t`` itself. A sharded
+    tensor (not a parameter: those are replaced in their modules) becomes ``whole``, its whole
+    value as an ``OnXlaDevice``, in place; returns the tensor the program should hold."""
+    if not isinstance(t, DTensor) or isinstance(t, torch.nn.Parameter) or type(whole) is not torch.Tensor:
+        return whole
+    plain = placed(None, whole)
+    try:
+        torch.utils.swap_tensors(t, plain)
+    except RuntimeError:  # (held elsewhere, e.g. saved for backward): the result only
+        return whole
+    return t

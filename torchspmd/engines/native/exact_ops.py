@@ -297,6 +297,17 @@ def _item(op, args, kwargs):
     return op(x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local())
 
 
+def _whole_comparison(op, args, kwargs):
+    """``allclose`` / ``equal`` (a Python bool): the whole values compared, whatever their
+    layouts (DTensor has no rule for them across layouts). The same answer on every process."""
+    def whole(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+        return x
+
+    return op(*[whole(a) for a in args], **kwargs)
+
+
 def _per_row(op, args, kwargs):
     """Ops that treat each batch row on its own (CPU flash attention and its backward):
     with inputs split on dim 0 (or replicated), each device computes its rows."""
@@ -459,6 +470,8 @@ _HANDLERS: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _per_row,
     aten.mean.default: _mean,
     aten.mean.dim: _mean,
+    aten.allclose.default: _whole_comparison,
+    aten.equal.default: _whole_comparison,
 }
 _HANDLERS.update(dict.fromkeys([
     aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli_.float, aten.uniform_.default,
