@@ -133,9 +133,12 @@ def run_example(examples: Path, rel: str, nproc: int, timeout: float, cap_gb: fl
             outcome = "fails"
     why = f"its processes held more than --memory-cap-gb {cap_gb:g} GB together" if capped else ""
     if not why and outcome in ("refused", "fails", "out of memory"):
-        summary = [ln for ln in text.splitlines() if ln.startswith("torchspmd: rank")]
-        errors = [ln for ln in text.splitlines() if re.match(r"^(\[rank\d\]:\s*)?\w+(Error|Exception)\b", ln)]
-        why = (summary or errors or text.strip().splitlines()[-1:] or [""])[0][:300]
+        summary = [ln for ln in text.splitlines() if ln.startswith("torchspmd: rank") and "recorded no exception"
+                   not in ln]
+        errors = [re.sub(r"^\[rank\d+\]:\s*", "", ln) for ln in text.splitlines()
+                  if re.match(r"^(\[rank\d+\]:\s*)?[\w.]+(Error|Exception): ", ln)]
+        failed = [ln for ln in summary if " failed: " in ln]
+        why = (failed or errors[-1:] or summary or text.strip().splitlines()[-1:] or [""])[0][:300]
     loss = FIRST_LOSS.search(text)
     line = text[loss.start():].splitlines()[0] if loss else ""
     return {"example": rel, "outcome": outcome, "why": why, "first_loss_line": line, "seconds": round(elapsed, 1),
@@ -177,11 +180,20 @@ def main(argv: list[str]) -> None:
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_compat.md")
     p.add_argument("--xla-python", type=Path, default=XLA_PYTHON, help="a python with torch_xla, for the memory "
                                                                        "comparison")
+    p.add_argument("--from-results", type=Path, nargs="*", help="make the table from earlier runs' results.json")
     p.add_argument("--compare-at", type=int, nargs="*", default=[4096],
                    help="MLP widths (intermediate_size; the examples' is 32768) at which the FSDPv2 decoder example "
                         "runs on both runtimes, for the peak memory per device")
     a = p.parse_args(argv)
     rows, compared = [], []
+    if a.from_results:  # (earlier runs' outcomes, the later run's winning for an example run twice)
+        for path in a.from_results:
+            earlier = json.loads(path.read_text())
+            rows = [r for r in rows if r["example"] not in {e["example"] for e in earlier["examples"]}]
+            rows += earlier["examples"]
+            compared = earlier["memory"] or compared
+        rows.sort(key=lambda r: EXAMPLES.index(r["example"]) if r["example"] in EXAMPLES else len(EXAMPLES))
+        a.examples, a.compare_at = [], []
     with tempfile.TemporaryDirectory(prefix="xla-examples-") as tmp:
         examples = _checkout(a.xla, a.ref, Path(tmp))
         for rel in a.examples:
