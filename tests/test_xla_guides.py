@@ -36,3 +36,25 @@ def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
         assert out["module_weight_types"] == ["DTensor", "DTensor"], out
         assert out["module_output_close"] and out["hooks"] == ["input", "output"], out
         assert out["redistributed"] == [[None, 0], [world], True, [0, None]], out
+        assert out["flash_attention"] == [True, True] and out["sent"] == [1, [0, None], True], out
+
+
+NO_SPMD = """
+import torch, torch_xla
+import torch_xla.distributed.parallel_loader as pl
+batches = [(torch.randn(4, 3), torch.arange(4)) for _ in range(3)]
+loader = pl.MpDeviceLoader(batches, torch_xla.device())
+got = list(loader)
+print("RESULT", len(loader), len(got), all(torch.equal(a, b[0]) and torch.equal(c, b[1]) for (a, c), b in
+                                           zip(got, batches)), type(got[0][0]).__name__)
+"""
+
+
+def test_a_program_without_spmd_gets_its_batches_on_the_device(tmp_path):
+    """torch_xla's single-device programs (no use_spmd) use MpDeviceLoader as a device loader."""
+    program = tmp_path / "no_spmd.py"
+    program.write_text(NO_SPMD)
+    r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(program)], capture_output=True, text=True,
+                       env=clean_env(OMP_NUM_THREADS=1), timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESULT 3 3 True Tensor" in r.stdout, r.stdout

@@ -44,6 +44,20 @@ moved = st.redistribute(xs_mesh, [Shard(1)])
 out["redistributed"] = [moved.partition_spec, list(moved.mesh_shape), torch.equal(moved.full_tensor(), big),
                         st.partition_spec]
 
+# torch_xla's flash_attention kernel (as SDPA) against attention written out in plain PyTorch
+import torch_xla.core.xla_model as xm  # noqa: E402
+from torch_xla.experimental.custom_kernel import flash_attention  # noqa: E402
+
+q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+scores = q @ k.transpose(-1, -2) * 0.7
+plain = torch.softmax(scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+bias = torch.randn(2, 3, 5, 5)
+out["flash_attention"] = [torch.allclose(flash_attention(q, k, v, causal=True, sm_scale=0.7), plain, atol=1e-6),
+                          torch.allclose(flash_attention(q, k, v, sm_scale=0.7, ab=bias),
+                                         torch.softmax(scores + bias, -1) @ v, atol=1e-6)]
+sent = xm.send_cpu_data_to_device(big.clone(), xm.xla_device(), input_sharding=xs.ShardingSpec(xs_mesh, (0, None)))
+out["sent"] = [len(sent), sent[0].partition_spec, torch.equal(sent[0].full_tensor(), big)]
+
 model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
 x = torch.randn(5, 6)
 expected = model(x).detach().clone()

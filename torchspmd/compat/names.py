@@ -82,6 +82,10 @@ EQUIVALENTS = {
 
 # Names the layer provides, but not exactly as torch_xla does: why (docs/xla_compat.md shows each).
 DIFFERENCES = {
+    "torch_xla.experimental.custom_kernel.flash_attention":
+        "PyTorch's scaled_dot_product_attention with torch_xla's arguments (scale sm_scale, ab added, causal "
+        "mask): the same function, another kernel; partition_spec and mesh are not needed (the inputs carry "
+        "their layout); segment ids are not provided",
     "torch_xla.experimental.eager_mode":
         "nothing to switch: operations always run as issued (eager_mode(False) does not turn graph tracing on)",
     "torch_xla.distributed.spmd.api.auto_policy":

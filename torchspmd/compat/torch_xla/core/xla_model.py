@@ -8,10 +8,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from torchspmd.compat import _device, _steps
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.compat.torch_xla import runtime as _xr
+from torchspmd.data import shard_batch
 from torchspmd.engines.native.state import quiet_gathers
 from torchspmd.errors import SpmdError
 
@@ -79,6 +81,18 @@ def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None
     if barrier:
         mark_step()
     return loss
+
+
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """The CPU tensors in ``datas`` (a tensor, or a structure of them) on ``device``, laid out by
+    ``input_sharding`` (a ``ShardingSpec``, as ``MpDeviceLoader`` takes) when given: each is the
+    global value, and each process keeps its block. A single tensor comes back in a list, as
+    torch_xla gives it."""
+    if isinstance(datas, torch.Tensor):
+        datas = [datas]
+    target = _device.native()
+    moved = tree_map(lambda t: t.to(target) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, datas)
+    return moved if input_sharding is None else shard_batch(moved, input_sharding, target)
 
 
 def wait_device_ops(devices=()) -> None:

@@ -1,7 +1,45 @@
-"""``torch_xla.distributed.parallel_loader`` under ``--xla-compat``: ``MpDeviceLoader``
-(torchspmd's: global batches in, sharded global batches out)."""
+"""``torch_xla.distributed.parallel_loader`` under ``--xla-compat``: ``MpDeviceLoader``.
 
+Under SPMD (after ``xr.use_spmd()``) it is torchspmd's: global batches in, global batches laid out
+by ``input_sharding`` out. A program that never turns SPMD on (torch_xla's single-device
+programs) gets what torch_xla gives it there: the loader's batches on this process's device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from torchspmd import runtime
+from torchspmd.compat import _device
 from torchspmd.compat.stand_ins import not_provided
-from torchspmd.data import MpDeviceLoader  # noqa: F401
+from torchspmd.data import MpDeviceLoader as _SpmdLoader
+
+__all__ = ["MpDeviceLoader"]
+
+
+class _OnDevice:
+    """The batches of ``loader`` with their tensors moved to this process's device."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __iter__(self):
+        device = _device.native()
+        for batch in self._loader:
+            yield tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+class MpDeviceLoader(_SpmdLoader):
+    """torchspmd's ``MpDeviceLoader`` under SPMD; the batches on this process's device without it."""
+
+    def __new__(cls, loader, device, **kwargs):
+        if not runtime.is_spmd():
+            return _OnDevice(loader)
+        return _SpmdLoader(loader, device, **kwargs)
+
 
 __getattr__ = not_provided("torch_xla.distributed.parallel_loader")

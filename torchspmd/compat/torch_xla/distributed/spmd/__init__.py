@@ -42,23 +42,13 @@ def wrap_if_sharded(x):
     return x
 
 
-def wrap_as_sharded_tensor(t, mesh_shape=None, partition_spec=None):
-    """A sharded tensor as an ``XLAShardedTensor``: a DTensor is one already and is returned as it
-    is (its mesh and spec are its own; to re-lay it out, ``mark_sharding`` it). A plain tensor
-    has no sharding to wrap: ``NotProvidedError`` (torch_xla would make an ``XLAShardedTensor``
-    of it); use ``mark_sharding``."""
-    if isinstance(t, XLAShardedTensor):
-        return t
-    return XLAShardedTensor(t)
-
-
 def apply_backward_optimization_barrier(m) -> None:
     """Nothing: a barrier to XLA's fusion of the module's backward with others; the native
     engine runs operations as issued."""
 
 __all__ = ["HybridMesh", "Mesh", "ShardingSpec", "ShardingType", "XLAShard", "apply_backward_optimization_barrier",
            "auto_policy", "convert_to_xla_mesh", "xla_distribute_module", "xla_distribute_tensor",
-           "XLAShardedTensor", "wrap_as_sharded_tensor", "wrap_if_sharded",
+           "XLAShardedTensor", "wrap_if_sharded",
            "clear_sharding", "disable_manual_sharding", "enable_manual_sharding", "get_1d_mesh", "get_global_mesh",
            "mark_sharding", "mark_sharding_with_gradients", "set_global_mesh"]
 __getattr__ = not_provided("torch_xla.distributed.spmd")
