@@ -29,6 +29,8 @@ import textwrap
 import traceback
 from pathlib import Path
 
+from doc_tables import replace_between
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_XLA = Path("/work/.mirror/pytorch+xla/repo")
@@ -284,12 +286,7 @@ def main(argv: list[str]) -> None:
     (a.out / "results.json").write_text(json.dumps({"ref": a.ref, "nproc": a.nproc, "blocks": rows}, indent=1))
     (a.out / "results.md").write_text(f"# torch_xla {a.ref} SPMD guides under --xla-compat, {a.nproc} processes\n\n"
                                       + table + "\n")
-    if a.doc.exists():
-        text = a.doc.read_text()
-        if MARK_BEGIN in text and MARK_END in text:
-            head, rest = text.split(MARK_BEGIN, 1)
-            _, tail = rest.split(MARK_END, 1)
-            a.doc.write_text(head + MARK_BEGIN + "\n" + table + "\n" + MARK_END + tail)
+    replace_between(a.doc, MARK_BEGIN, MARK_END, table)
     print(table)
 
 

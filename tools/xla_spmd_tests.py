@@ -41,6 +41,8 @@ import traceback
 import unittest
 from pathlib import Path
 
+from doc_tables import replace_between
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_XLA = Path("/work/.mirror/pytorch+xla/repo")
@@ -397,12 +399,7 @@ def main(argv: list[str]) -> None:
                 if r["class"] not in ("passed",)]
     (a.out / "results.md").write_text(f"# torch_xla {a.ref} test/spmd under --xla-compat, {a.nproc} processes\n\n"
                                       + table + "\n" + "\n".join(details) + "\n")
-    if a.doc.exists():
-        text = a.doc.read_text()
-        if MARK_BEGIN in text and MARK_END in text:
-            head, rest = text.split(MARK_BEGIN, 1)
-            _, tail = rest.split(MARK_END, 1)
-            a.doc.write_text(head + MARK_BEGIN + "\n" + table + "\n" + MARK_END + tail)
+    replace_between(a.doc, MARK_BEGIN, MARK_END, table)
     print(table)
 
 
