@@ -72,6 +72,11 @@ CASES = {
     "tied": (dict(SEED_CFG, norm="layer", tied=True), {"embed.weight": ROW, **_mlp([0, 1], COL, ROW)}),
     # The batch does not divide over 'data' (5 rows over 2).
     "uneven_rows": (dict(SEED_CFG, rows=5), _mlp([0, 1], COL, ROW)),
+    # A dim split over both axes (a tuple), uneven (vocabulary 13, MLP width 9 over 4 devices): tiled flat as
+    # XLA tiles it (13 rows: 4, 4, 4, 1; 9: 3, 3, 3, 0), computed with the batch's and the other weights' layouts.
+    "flat_tiled": (dict(SEED_CFG, dim=10, inter=9), {
+        "embed.weight": (("data", "model"), None),
+        **_mlp([0, 1], (("data", "model"), None), (None, ("data", "model")))}),
 }
 
 
@@ -128,12 +133,19 @@ def test_pattern1_on_a_2d_mesh_is_one_devices(dist, case):
                                        msg=lambda m, k=k: f"parameter {k}: {m}")
     # The annotations took effect: each annotated parameter is stored split (a share per process).
     for name, spec in specs.items():
-        whole = want["params"][name].numel()
+        shape = want["params"][name].shape
+        whole = shape.numel()
         ways = 1
         for axis in spec:
-            ways *= {"data": SHAPE[0], "model": SHAPE[1], None: 1}[axis]
+            for a in axis if isinstance(axis, tuple) else (axis,):
+                ways *= {"data": SHAPE[0], "model": SHAPE[1], None: 1}[a]
         assert max(r["local"][name] for r in results) < whole, name
         assert sum(r["local"][name] for r in results) == whole * 4 // ways, name
+        for d, axis in enumerate(spec):
+            if isinstance(axis, tuple):  # over every device: torch.chunk's flat tiling (XLA's), by rank
+                tiles = [len(c) for c in torch.arange(shape[d]).chunk(4)]
+                tiles += [0] * (4 - len(tiles))
+                assert [r["local"][name] for r in results] == [t * whole // shape[d] for t in tiles], name
 
 
 # torch 2.13 merges per-axis gathers into one over a flattened mesh and then refuses the merged

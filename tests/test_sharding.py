@@ -66,15 +66,16 @@ def test_sharding_spec_checks_at_construction():
 # --- placement: the right block on the right rank --------------------------------
 
 def _expected_block(full, mesh_shape, coord, resolved):
-    """Independent reference: nested torch.chunk over the axes of each dim, in order."""
+    """Independent reference, XLA's tiling: a dim split over the axes ``axes`` is torch.chunk'ed
+    into their product, the device taking the piece at its place along them (C order)."""
     block = full
     for dim, axes in enumerate(resolved):
-        for a in axes:
-            pieces = torch.chunk(block, mesh_shape[a], dim=dim)
-            if coord[a] < len(pieces):
-                block = pieces[coord[a]]
-            else:
-                block = block.narrow(dim, block.shape[dim], 0)
+        if not axes:
+            continue
+        tiles = int(np.prod([mesh_shape[a] for a in axes]))
+        place = int(np.ravel_multi_index([coord[a] for a in axes], [mesh_shape[a] for a in axes]))
+        pieces = torch.chunk(block, tiles, dim=dim)
+        block = pieces[place] if place < len(pieces) else block.narrow(dim, block.shape[dim], 0)
     return block
 
 

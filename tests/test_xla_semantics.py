@@ -100,16 +100,25 @@ def test_fsdpv2_and_loader_over_reordered_device_ids(dist, world):
 
 
 def _tuple_out_of_mesh_order():
+    """mark_sharding takes a tuple in any order (XLA's tiling: devices numbered along the tuple);
+    an input ShardingSpec (the loader's rows, split by DTensor) still wants the mesh's order."""
     mesh = ts.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    t = ts.mark_sharding(x.clone(), mesh, (("model", "data"), None))
+    coord = ts.Mesh.get_logical_mesh(mesh).tolist()
+    place = [(i, j) for i in range(2) for j in range(2) if coord[i][j] == ts.process_index()][0]
+    start = (place[1] * 2 + place[0]) * 2  # 'model' outermost
+    got = [torch.equal(t.to_local(), x[start:start + 2]), ts.get_sharding(t) == (("model", "data"), None)]
     try:
-        ts.mark_sharding(torch.randn(8, 3), mesh, (("model", "data"), None))
+        ts.ShardingSpec(mesh, (("model", "data"), None))
     except ts.SpmdError as e:
-        return str(e)
-    return "no error"
+        return got, str(e)
+    return got, "no error"
 
 
-def test_tuple_of_axes_out_of_mesh_order_is_refused_with_the_order_to_write(dist):
-    message = same_on_every_rank(dist(4).run(_tuple_out_of_mesh_order))
+def test_tuple_of_axes_out_of_mesh_order_tiles_as_xla_and_loader_specs_name_the_order(dist):
+    got, message = same_on_every_rank([(tuple(g), m) for g, m in dist(4).run(_tuple_out_of_mesh_order)])
+    assert all(got), got
     assert "('model', 'data'): the axes of a tuple must appear in the mesh's order ('data', 'model')" in message
     assert "Write ('data', 'model')" in message
 
@@ -230,9 +239,9 @@ def torchspmd_compat_text(t):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_tensor_api_follows_torch_xlas_rule(dist, world):
-    from _xla_shards import CASES
+    from _xla_shards import CASES, RANDOM_CASES
 
-    for case in [c for c in CASES if len(c[1]) == world]:
+    for case in [c for c in CASES + RANDOM_CASES if len(c[1]) == world]:
         for rank, got in enumerate(dist(world).run(_shards, case)):
             assert all(got), (case[0], rank, got)
 
@@ -265,3 +274,90 @@ def test_manual_sharding_round_trip_equals_one_device(dist, world):
     assert r[0] == (-(-7 // world), 3), r
     assert r[1:5] == ["(Shard(dim=0),)", True, "Tensor", True], r
     assert "disable_manual_sharding: the shard has 5 on dim 0" in r[5], r
+
+
+def _flat_tiled(want):
+    """A dim split over two axes, unevenly (9 rows over 2x2): XLA's flat tiles (3, 3, 3, 0)
+    wherever the value goes."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("a", "b"))
+    rank = ts.process_index()
+    x, w, r = want["x"], want["w"], want["r"]
+    tiles = [(0, 3), (3, 6), (6, 9), (9, 9)]
+    start, stop = tiles[rank]
+
+    def block(t):  # this process's block is XLA's
+        return torch.equal(t.to_local(), t.full_tensor()[start:stop])
+
+    t = ts.mark_sharding(x.clone(), mesh, (("a", "b"), None))
+    got = {"spec": ts.get_sharding(t), "block": block(t) and torch.equal(t.to_local(), x[start:stop])}
+    y = (t * 2).sin()  # among flat-tiled tensors: computed there, tiled alike
+    got["sin2"] = block(y) and torch.allclose(y.full_tensor(), want["sin2"], rtol=1e-6, atol=1e-7)
+    ws = ts.mark_sharding(w.clone(), mesh, ("a", None))  # mixed with a DTensor of the mesh
+    got["mm"] = torch.allclose((t @ ws).full_tensor(), want["mm"], rtol=1e-5, atol=1e-6)
+    rs = ts.mark_sharding(r.clone(), mesh, ("a", None))
+    u = t.clone()
+    u.add_(rs)  # in place: keeps its tiling
+    got["add_"] = block(u) and ts.get_sharding(u) == (("a", "b"), None) and torch.equal(u.full_tensor(),
+                                                                                        want["added"])
+    # manual sharding: XLA's block, padded to the tile
+    xm = x.clone().requires_grad_(True)
+    local = ts.enable_manual_sharding(xm, (("a", "b"), None), mesh=mesh)
+    got["manual"] = tuple(local.shape) == (3, 3) and torch.equal(local[:stop - start], x[start:stop])
+    back = ts.disable_manual_sharding(local * 2, (("a", "b"), None), (9, 3), mesh=mesh)
+    got["manual back"] = block(back) and torch.equal(back.full_tensor(), x * 2)
+    (back * rs).sum().backward()  # the gradient goes through the manual region, back to the whole input
+    got["manual grad"] = torch.allclose(xm.grad, 2 * r, rtol=1e-6, atol=1e-7)
+    # gradients through mark_sharding_with_gradients come back whole to a plain input
+    xg = x.clone().requires_grad_(True)
+    s = ts.mark_sharding_with_gradients(xg, mesh, (("a", "b"), None))
+    (s.sin() * rs).sum().backward()
+    got["grad"] = block(s) and torch.allclose(xg.grad, want["sin_grad"], rtol=1e-6, atol=1e-7)
+    # annotated again: re-laid out on the mesh; cleared: the whole value
+    again = ts.mark_sharding(t, mesh, ("a", "b"))
+    got["again"] = ts.get_sharding(again) == ("a", "b") and torch.equal(again.full_tensor(), x)
+    whole = ts.clear_sharding(ts.mark_sharding(x.clone(), mesh, (("a", "b"), None)))
+    got["cleared"] = type(whole) is torch.Tensor and torch.equal(whole, x)
+    got["is DTensor"] = isinstance(t, DTensor) and t.shape == x.shape
+    return got
+
+
+def test_a_dim_split_over_several_axes_is_tiled_flat_everywhere(dist):
+    import _xla_shards
+    from _clean import run_clean
+
+    want = run_clean(_xla_shards.flat_tiled_values)
+    for rank, got in enumerate(dist(4).run(_flat_tiled, want)):
+        assert got.pop("spec") == (("a", "b"), None), (rank, got)
+        assert all(got.values()), (rank, got)
+
+
+def _fsdp_over_flat_tiled(want):
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("fsdp", "model"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    ts.mark_sharding(model[0].weight, mesh, (("fsdp", "model"), None))  # 9 rows over 4: tiled flat
+    model = ts.FSDPv2(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for data, target in want["batches"]:
+        with ts.step():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(data), target)
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return losses, params
+
+
+def test_fsdpv2_trains_over_a_flat_tiled_weight_as_one_device(dist):
+    import _xla_shards
+    from _clean import run_clean
+
+    want = run_clean(_xla_shards.flat_tiled_training)
+    for losses, params in dist(4).run(_fsdp_over_flat_tiled, want):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6)
+        for k, v in want["params"].items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

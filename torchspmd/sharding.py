@@ -62,7 +62,8 @@ def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = N
                            mesh_order: bool = True):
     """Check ``partition_spec`` against ``mesh`` (and a tensor of ``ndim`` dims) and return,
     per tensor dim, the tuple of mesh axis indices that split it. ``mesh_order``: the axes
-    of a tuple entry must follow the mesh's order (DTensor's limit; XLA has none)."""
+    of a tuple entry must follow the mesh's order (DTensor's rule, which input ShardingSpecs
+    follow; XLA and mark_sharding have none)."""
     mesh = as_view(mesh, api)
     if not isinstance(partition_spec, (tuple, list)):
         raise SpmdError(
@@ -88,9 +89,9 @@ def resolve_partition_spec(mesh: Mesh, partition_spec: Any, ndim: int | None = N
                 names = tuple(mesh.shape().keys())
                 ordered = tuple(entry[i] for i in sorted(range(len(axes)), key=lambda i: axes[i]))
                 raise SpmdError(
-                    f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order {names}: DTensor "
-                    f"splits a dim over several mesh axes outermost-first in mesh order, and one tensor cannot "
-                    f"use another device order than the mesh's. Write {ordered!r} (the same values; only which "
+                    f"{where} = {entry!r}: the axes of a tuple must appear in the mesh's order {names}: here a "
+                    f"dim is split over several mesh axes outermost-first in mesh order (DTensor's rule; "
+                    f"mark_sharding itself takes any order). Write {ordered!r} (the same values; only which "
                     f"device holds which block differs), or build the mesh with its axes in the tuple's order"
                 )
         else:

@@ -6,7 +6,7 @@ at that device's place in the logical mesh."""
 import numpy as np
 import pytest
 import torch
-from _xla_shards import CASES as SHARD_CASES
+from _xla_shards import CASES, RANDOM_CASES
 from _xla_shards import expected_shard, spec_of
 
 pytest.importorskip("torch_xla")
@@ -95,7 +95,7 @@ def test_torch_xla_cpu_of_a_sharded_result_is_its_whole_value(ts):
     assert type(host) is torch.Tensor and host.device.type == "cpu" and torch.allclose(host, x.sin())
 
 
-@pytest.mark.parametrize("case", [c for c in SHARD_CASES if len(c[1]) == 4], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [c for c in CASES + RANDOM_CASES if len(c[1]) == 4], ids=lambda c: c[0])
 def test_torch_xla_local_shards_follow_the_rule(ts, case):
     import torch_xla
     import torch_xla.distributed.spmd as xs

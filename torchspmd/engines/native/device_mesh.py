@@ -36,13 +36,13 @@ def device_mesh(mesh) -> DeviceMesh:
                           mesh_dim_names=mesh.axis_names)
         _flatten_spans(made)
     else:
-        made = _reordered(logical, mesh.axis_names)
+        made = mesh_over(logical, mesh.axis_names)
     mesh._device_mesh = made
     return made
 
 
-def _reordered(logical: np.ndarray, axis_names) -> DeviceMesh:
-    """A DeviceMesh over devices in any order (np.flip, a transposed array, a custom tile
+def mesh_over(logical: np.ndarray, axis_names) -> DeviceMesh:
+    """A DeviceMesh over the processes of the array ``logical``, in any order (np.flip, a transposed array, a custom tile
     assignment). DTensor places a shard by the process's coordinate in the mesh, and its
     collectives order a group's members by their rank within the process group; torch's
     DeviceMesh builds its groups from sorted ranks (and reuses the world group for an axis

@@ -59,7 +59,7 @@ class NativeEngine(Engine):
     name = "native"
     backends = ("cpu", "cuda")
     capabilities = Capabilities(process_per_device=True, static_shapes=False, lazy_tensors=False, fused_optimizers=True,
-                                hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=True,
+                                hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=False,
                                 shared_memory_collectives=True)
 
     def __init__(self):

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchspmd import state_keys
-from torchspmd.engines.native import global_mode, replicas, tensor_parallel
+from torchspmd.engines.native import global_mode, replicas, sharding, tensor_parallel
 from torchspmd.engines.native import replaced_parameters as _stale
 from torchspmd.engines.native.collectives import install as install_collectives
 from torchspmd.engines.native.device_mesh import device_mesh
@@ -84,6 +84,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
     ):
         _check_wrap_order(module)
         super().__init__()
+        sharding.untile_parameters(module)
         # Values FSDP2 splits (or leaves whole) must be one value before they are split:
         # checked once, rank 0's copied where a process differs (docs/guide.md).
         replicas.agree_once([t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)])

@@ -40,6 +40,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from torchspmd.engines.native import flat_tiling
 from torchspmd.patches import dtensor as dtensor_patches
 
 __all__ = ["Fallback", "RedistributionFallbackWarning", "redistribute", "watching", "seen", "install"]
@@ -133,7 +134,12 @@ def _per_axis():
 def redistribute(original: Callable, local, current_spec: DTensorSpec, target_spec: DTensorSpec, *args, **kwargs):
     """DTensor's ``redistribute_local_tensor(local, current_spec, target_spec, ...)``
     (``original``); where it raises, the same redistribution as a gather to Replicate on
-    every mesh axis followed by a split to the target."""
+    every mesh axis followed by a split to the target. Between a mesh and one of its tiling
+    meshes (``flat_tiling``: a gradient reaching a flat-tiled tensor from an op computed on
+    the mesh), the value is gathered on one and split on the other."""
+    if current_spec.mesh != target_spec.mesh and flat_tiling.same_devices(current_spec.mesh, target_spec.mesh):
+        whole = original(local, current_spec, _replicated(current_spec))
+        return original(whole, _replicated(target_spec), target_spec)
     try:
         return original(local, current_spec, target_spec, *args, **kwargs)
     except _REFUSALS as e:

@@ -9,7 +9,8 @@ attributes torch_xla programs read from the ``XLAShardedTensor`` it returns:
   zeros past the end), ``indices`` (a slice per dim into the global tensor, without the
   padding; ``Ellipsis`` when the tensor is replicated), ``shard_device`` (``"CPU:3"``,
   ``"CUDA:3"``: the global device id) and ``replica_id`` (0 for a tiled tensor, the device
-  ordinal for a replicated one, the index among the copies for a partially replicated one);
+  ordinal for a replicated one, for a partially replicated one its place by device id among
+  the devices holding the same block);
 - ``sharding_spec``: XLA's HLO sharding text (``{devices=[4,1]0,1,2,3}``);
 - ``sharding_type``: a ``ShardingType`` (REPLICATED, TILED, or PARTIAL when some mesh axes
   split nothing and hold copies);
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchspmd import hlo
 from torchspmd.blocks import block_of, tile_shape
-from torchspmd.engines.native import topology
+from torchspmd.engines.native import flat_tiling, topology
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.xla_shards import ShardingType, XLAShard
@@ -40,12 +41,14 @@ __all__ = ["install"]
 
 
 def _layout(t: DTensor):
-    """Per dim: the mesh axes splitting it (outermost first); the axes holding copies; this
-    process's coordinate; the mesh's device grid."""
+    """Per dim: the mesh axes splitting it (outermost first; an axis of size 1 splits
+    nothing, and a tensor it alone splits is replicated, as in XLA); the axes holding copies;
+    this process's coordinate; the mesh's device grid. On a tiling mesh (``flat_tiling``) a
+    dim of the mesh is all the axes it merges, tiled flat as XLA tiles them."""
     mesh = t.device_mesh
     dims: list[list[int]] = [[] for _ in range(t.ndim)]
     for axis, p in enumerate(t.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and mesh.size(axis) > 1:
             dims[p.dim].append(axis)
     split = {a for d in dims for a in d}
     copies = [a for a in range(mesh.ndim) if a not in split]
@@ -74,8 +77,9 @@ def _local_shard(t: DTensor) -> XLAShard:
     data = torch.zeros(padded, dtype=local.dtype, device=local.device)
     data[tuple(slice(0, s.stop - s.start) for s in indices)] = local.detach()
     replica = 0
-    if kind == ShardingType.PARTIAL:
-        replica = int(np.ravel_multi_index(tuple(coord[a] for a in copies), tuple(grid.shape[a] for a in copies)))
+    if kind == ShardingType.PARTIAL:  # its place among the devices holding the same block, by id (as XLA)
+        same = grid[tuple(slice(None) if a in copies else coord[a] for a in range(grid.ndim))]
+        replica = sorted(int(d) for d in np.asarray(same).reshape(-1)).index(int(grid[tuple(coord)]))
     return XLAShard(data, indices, device, replica)
 
 
@@ -109,6 +113,14 @@ def sharding_string(t) -> str:
     if not isinstance(t, DTensor):
         return ""
     mesh = t.device_mesh
+    tiling = flat_tiling.tiling_of(mesh)
+    if tiling is not None:  # a tiling mesh: its dims stand for the mesh's axes, in tiling order
+        grid = tiling.root.mesh.numpy()
+        dims = [[] for _ in range(t.ndim)]
+        for members, p in zip(tiling.dims, t.placements):
+            if isinstance(p, Shard):
+                dims[p.dim] += list(members)
+        return hlo.text(grid, dims)
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     names = list(mesh.mesh_dim_names or ())
     root_names = list(root.mesh_dim_names or ())
@@ -118,7 +130,7 @@ def sharding_string(t) -> str:
     else:
         grid = mesh.mesh.numpy()
         axis_of = list(range(mesh.ndim))
-    dims: list[list[int]] = [[] for _ in range(t.ndim)]
+    dims = [[] for _ in range(t.ndim)]
     for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Shard):  # (a _StridedShard is a Shard: its tiles are counted alike)
             dims[p.dim].append(axis_of[mesh_dim])
@@ -127,13 +139,18 @@ def sharding_string(t) -> str:
 
 def _partition_spec(t: DTensor) -> tuple:
     """torch_xla's ``partition_spec`` of a sharded tensor: for each dim, the mesh dim that
-    splits it (an int; a tuple when several do; None when none), on the tensor's own mesh."""
-    spec: list = [None] * t.ndim
-    for mesh_dim, p in enumerate(t.placements):
+    splits it (an int; a tuple when several do; None when none), on the tensor's own mesh
+    (the mesh a tiling mesh was made from)."""
+    per_dim: list[list[int]] = [[] for _ in range(t.ndim)]
+    for members, p in zip(flat_tiling.root_axes(t.device_mesh), t.placements):
         if isinstance(p, Shard):
-            spec[p.dim] = mesh_dim if spec[p.dim] is None else (
-                (*spec[p.dim], mesh_dim) if isinstance(spec[p.dim], tuple) else (spec[p.dim], mesh_dim))
-    return tuple(spec)
+            per_dim[p.dim] += list(members)
+    return tuple(None if not d else d[0] if len(d) == 1 else tuple(d) for d in per_dim)
+
+
+def _mesh_shape(t: DTensor) -> tuple[int, ...]:
+    tiling = flat_tiling.tiling_of(t.device_mesh)
+    return tuple((tiling.root if tiling else t.device_mesh).shape)
 
 
 _ATTRIBUTES = {
@@ -142,7 +159,7 @@ _ATTRIBUTES = {
     "sharding_spec": property(sharding_string),
     "sharding_type": property(_sharding_type),
     "partition_spec": property(_partition_spec),
-    "mesh_shape": property(lambda self: tuple(self.device_mesh.shape)),
+    "mesh_shape": property(_mesh_shape),
     "load_local_shards_": _load_local_shards_,
 }
 

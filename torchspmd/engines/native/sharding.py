@@ -1,7 +1,9 @@
 """Partition specs as DTensor layouts: the native engine's ``mark_sharding`` and its family.
 
 A checked partition spec (per tensor dim, the mesh axes splitting it) becomes DTensor
-placements: ``Shard(dim)`` on each axis that splits ``dim``, ``Replicate()`` on the others.
+placements: ``Shard(dim)`` on each axis that splits ``dim``, ``Replicate()`` on the others;
+where a dim split over several axes would then get other blocks than XLA gives it, the
+tensor lives on a tiling mesh instead (``flat_tiling``).
 Annotating a parameter or buffer replaces the tensor in every module slot that holds it
 (``module_slots``), as torch_xla's in-place annotation does.
 """
@@ -22,7 +24,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchspmd.blocks import block_of, contiguous_stride, tile_shape
-from torchspmd.engines.native import module_edges, module_slots, replaced_parameters
+from torchspmd.engines.native import flat_tiling, module_edges, module_slots, replaced_parameters
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.errors import SpmdError
 
@@ -48,10 +50,9 @@ def coordinate(mesh, rank: int) -> tuple[int, ...]:
 
 def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
     """``t`` re-laid out as a DTensor (see ``torchspmd.sharding.mark_sharding``)."""
-    layout = placements(mesh, resolved)
-    dmesh = device_mesh(mesh)
+    dmesh, layout = flat_tiling.layout(mesh, resolved, t.shape)
     if not isinstance(t, DTensor):
-        marked = module_edges.mark_local_output(t, dmesh, layout)
+        marked = module_edges.mark_local_output(t, device_mesh(mesh), placements(mesh, resolved))
         if marked is not None:  # inside a shard_output callable: t is this process's block
             return marked
     if module_edges.in_local_compute():
@@ -62,14 +63,15 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
     if isinstance(t, DTensor):
         if replaced_parameters.made_by_fsdp(t):
             raise SpmdError(_MADE_BY_FSDP)
-        if t.device_mesh != dmesh:
+        if flat_tiling.root_of(t.device_mesh) != device_mesh(mesh):
             raise SpmdError("mark_sharding: the tensor is already sharded over another mesh; call clear_sharding(t) "
                             "first")
-        out = t.redistribute(dmesh, layout)
+        out = flat_tiling.relaid(t, dmesh, layout)
     elif t.requires_grad and not t.is_leaf:
-        out = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False).redistribute(dmesh, layout)
+        whole = DTensor.from_local(t, device_mesh(mesh), [Replicate()] * len(mesh.mesh_shape), run_check=False)
+        out = flat_tiling.relaid(whole, dmesh, layout)
     else:
-        out = distribute_tensor(t.detach(), dmesh, layout)
+        out = flat_tiling.as_tiled(distribute_tensor(t.detach(), dmesh, list(layout)))
         if t.requires_grad:
             out.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter):
@@ -88,9 +90,25 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
 
 
 def _like_param(mesh, layout, grad):
-    if isinstance(grad, DTensor) and tuple(grad.placements) != layout:
-        return grad.redistribute(mesh, layout)
+    if isinstance(grad, DTensor) and (grad.device_mesh != mesh or tuple(grad.placements) != layout):
+        return flat_tiling.relaid(grad, mesh, layout)
     return grad
+
+
+def untile_parameters(module: torch.nn.Module) -> None:
+    """Parameters of ``module`` annotated with XLA's flat tiling (``flat_tiling``) laid out
+    on the mesh (the same values, split axis by axis), in every slot holding them: FSDPv2
+    and tensor parallelism work on the mesh's own DeviceMesh."""
+    for p in {id(q): q for q in module.parameters()}.values():
+        if not isinstance(p, DTensor) or flat_tiling.tiling_of(p.device_mesh) is None:
+            continue
+        with torch.no_grad():
+            whole = flat_tiling.on_root(p.detach())
+        new = torch.nn.Parameter(whole, requires_grad=p.requires_grad)
+        if new.requires_grad:
+            new.register_hook(functools.partial(_like_param, new.device_mesh, tuple(new.placements)))
+        replaced_parameters.mark_replaced(p, "a parameter laid out on the mesh when FSDPv2 wrapped it")
+        module_slots.replace(p, new)
 
 
 class _MarkWithGradients(torch.autograd.Function):
@@ -99,39 +117,44 @@ class _MarkWithGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, dmesh, layout):
-        ctx.dmesh, ctx.layout = dmesh, layout
-        return t.redistribute(dmesh, layout)
+        ctx.dmesh, ctx.layout, ctx.source = dmesh, layout, t.device_mesh
+        with torch.no_grad():
+            return flat_tiling.relaid(t, dmesh, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(ctx.layout):
-            grad = grad.redistribute(ctx.dmesh, ctx.layout)
+        if isinstance(grad, DTensor):
+            with torch.no_grad():
+                if grad.device_mesh != ctx.dmesh or tuple(grad.placements) != tuple(ctx.layout):
+                    grad = flat_tiling.relaid(grad, ctx.dmesh, ctx.layout)
+                if grad.device_mesh != ctx.source:  # flat-tiled: the input's mesh splits it axis by axis
+                    grad = flat_tiling.on_root(grad)
         return grad, None, None
 
 
 def mark_sharding_with_gradients(t: torch.Tensor, mesh, resolved) -> torch.Tensor:
-    layout = tuple(placements(mesh, resolved))
-    dmesh = device_mesh(mesh)
+    dmesh, layout = flat_tiling.layout(mesh, resolved, t.shape)
     if module_edges.in_local_compute():
         return t  # an activation inside a wrapped module's forward: see mark_sharding
     if isinstance(t, DTensor):
         if replaced_parameters.made_by_fsdp(t):
             raise SpmdError(_MADE_BY_FSDP)
-        if t.device_mesh != dmesh:
+        if flat_tiling.root_of(t.device_mesh) != device_mesh(mesh):
             raise SpmdError("mark_sharding_with_gradients: the tensor is sharded over another mesh; call "
                             "clear_sharding(t) first")
         source = t
     else:  # the whole value on every process: enters replicated (its gradient comes back whole)
-        source = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False)
+        root = device_mesh(mesh)
+        source = DTensor.from_local(t, root, [Replicate()] * root.ndim, run_check=False)
     return _MarkWithGradients.apply(source, dmesh, layout)
 
 
 def enable_manual_sharding(t: torch.Tensor, mesh, resolved) -> torch.Tensor:
-    layout = tuple(placements(mesh, resolved))
-    dmesh = device_mesh(mesh)
+    dmesh, layout = flat_tiling.layout(mesh, resolved, t.shape)
     if not isinstance(t, DTensor):  # the global value, the same on every process (its gradient comes back whole)
-        t = DTensor.from_local(t, dmesh, [Replicate()] * dmesh.ndim, run_check=False)
-    local = t.redistribute(dmesh, layout).to_local()
+        root = device_mesh(mesh)
+        t = DTensor.from_local(t, root, [Replicate()] * root.ndim, run_check=False)
+    local = flat_tiling.relaid(t, dmesh, layout).to_local()
     tile = tile_shape(t.shape, mesh.mesh_shape, resolved)
     pad = []
     for d in reversed(range(t.dim())):
@@ -143,9 +166,8 @@ def disable_manual_sharding(t: torch.Tensor, mesh, spec, resolved, full_shape: t
     if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
         raise SpmdError("disable_manual_sharding: t must be this process's shard, a plain tensor (what "
                         "enable_manual_sharding gave, or computed from it)")
-    layout = tuple(placements(mesh, resolved))
-    dmesh = device_mesh(mesh)
-    block = block_of(full_shape, mesh.mesh_shape, layout, dmesh.get_coordinate())
+    dmesh, layout = flat_tiling.layout(mesh, resolved, full_shape)
+    block = block_of(full_shape, tuple(dmesh.shape), layout, dmesh.get_coordinate())
     tile = tile_shape(full_shape, mesh.mesh_shape, resolved)
     for d, (_, length) in enumerate(block):
         if t.shape[d] not in (length, tile[d]):
@@ -154,8 +176,8 @@ def disable_manual_sharding(t: torch.Tensor, mesh, spec, resolved, full_shape: t
                             f"enable_manual_sharding gives it) or exactly its own block's size")
         if t.shape[d] != length:
             t = t.narrow(d, 0, length)
-    return DTensor.from_local(t.contiguous(), dmesh, layout, run_check=False, shape=torch.Size(full_shape),
-                              stride=contiguous_stride(full_shape))
+    return flat_tiling.as_tiled(DTensor.from_local(t.contiguous(), dmesh, layout, run_check=False,
+                                                   shape=torch.Size(full_shape), stride=contiguous_stride(full_shape)))
 
 
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
@@ -175,11 +197,12 @@ def clear_sharding(t: torch.Tensor) -> torch.Tensor:
 def get_sharding(t: torch.Tensor) -> tuple | None:
     if not isinstance(t, DTensor):
         return None
-    names = t.device_mesh.mesh_dim_names
+    root = flat_tiling.root_of(t.device_mesh)
+    names = root.mesh_dim_names
     per_dim: list[list] = [[] for _ in range(t.ndim)]
-    for axis, p in enumerate(t.placements):
+    for members, p in zip(flat_tiling.root_axes(t.device_mesh), t.placements):
         if p.is_shard() or isinstance(p, _StridedShard):  # FSDP2's split of a dim 'model' splits too
-            per_dim[p.dim].append(names[axis] if names else axis)
+            per_dim[p.dim] += [names[axis] if names else axis for axis in members]
     return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in per_dim)
 
 
