@@ -224,7 +224,6 @@ EQUIVALENT = {
     "_XLAC._xla_get_default_device": None,
     "profiler.trace": "start_trace",
     "xm.set_rng_state": "torch.manual_seed(seed)",
-    "XLAShardedTensor(...)": "xs.mark_sharding(t, mesh, partition_spec)",
     "a stand-in class's attribute": "SpmdFullyShardedDataParallel",
 }
 ATTRIBUTE_READ = {"a stand-in class's attribute"}  # an AttributeError: hasattr() is False
@@ -265,6 +264,9 @@ def test_sharded_tensors_are_xla_sharded_tensors(api):
     assert is_sharded and not plain_is_sharded
     assert text == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"  # torch_xla's V1 text for ('a', None)
     assert through == "{devices=[2,2]0,2,1,3}" and gradient_ok and leaf == ""  # MarkShardingFunction: a copy
+    is_sharded, kind, leaf_grad, tiled, again = api["constructed"]
+    assert is_sharded and kind == "REPLICATED" and leaf_grad
+    assert tiled == [[4], [0, None], True] and again == [[2, 2], [0, 1], True, True], (tiled, again)
 
 
 def test_init_process_group_after_use_spmd_reuses_the_group(api):

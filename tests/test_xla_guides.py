@@ -36,6 +36,9 @@ def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
         assert out["module_weight_types"] == ["DTensor", "DTensor"], out
         assert out["module_output_close"] and out["hooks"] == ["input", "output"], out
         assert out["redistributed"] == [[None, 0], [world], True, [0, None]], out
+        assert out["redistribute_refused"] == ["IndexError", "ValueError", "NotImplementedError"], out
+        assert out["gradient_accumulation"] == [True, 30.0, True, True], out
+        assert out["patched_linear"] == [True, True, True], out
         assert out["flash_attention"] == [True, True] and out["sent"] == [1, [0, None], True], out
 
 

@@ -224,7 +224,6 @@ errors = {
     "_XLAC._xla_get_default_device": error_of(lambda: torch_xla._XLAC._xla_get_default_device()),
     "profiler.trace": error_of(lambda: xp.trace("localhost:9012", d)),
     "xm.set_rng_state": error_of(lambda: xm.set_rng_state(0)),
-    "XLAShardedTensor(...)": error_of(lambda: XLAShardedTensor(torch.ones(2))),
     "a stand-in class's attribute": error_of(lambda: imported("torch_xla.distributed.fsdp.xla_fully_sharded_data_"
                                                               "parallel", "TrainingState").IDLE),
     "rendezvous of some": error_of(lambda: xm.rendezvous("some", replicas=[0])),
@@ -254,6 +253,19 @@ if n == 4:
     out["sharded_tensor"] = [isinstance(sharded, xs.XLAShardedTensor), isinstance(torch.ones(1), xs.XLAShardedTensor),
                              construct_v1_sharding_str(sharded), construct_v1_sharding_str(through),
                              bool(torch.allclose(leaf.grad, 2 * leaf.detach())), construct_v1_sharding_str(leaf)]
+    # XLAShardedTensor(t, ...) and wrap_as_sharded_tensor: t laid out as told (torch_xla records it on a wrapper)
+    from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor  # noqa: E402
+
+    value = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    wrapped = XLAShardedTensor(value.clone(), requires_grad=True)
+    wrapped.sum().backward()
+    tiled = wrap_as_sharded_tensor(value.clone(), mesh_shape=(4,), partition_spec=(0, None))
+    again = wrap_as_sharded_tensor(tiled, mesh_shape=(2, 2), partition_spec=(0, 1))
+    out["constructed"] = [isinstance(wrapped, xs.XLAShardedTensor), wrapped.sharding_type.name,
+                          wrapped.is_leaf and torch.equal(wrapped.grad.full_tensor(), torch.ones(6, 4)),
+                          [tiled.mesh_shape, tiled.partition_spec, torch.equal(tiled.full_tensor(), value)],
+                          [again.mesh_shape, again.partition_spec, torch.equal(again.full_tensor(), value),
+                           wrap_as_sharded_tensor(again) is again]]
 # the program's own init_process_group after use_spmd started the group: the same group
 before = dist.group.WORLD
 dist.init_process_group("xla", init_method="xla://")

@@ -43,6 +43,14 @@ st = xs.mark_sharding(big.clone(), xs_mesh, (0, None))
 moved = st.redistribute(xs_mesh, [Shard(1)])
 out["redistributed"] = [moved.partition_spec, list(moved.mesh_shape), torch.equal(moved.full_tensor(), big),
                         st.partition_spec]
+refused = []  # XLAShardedTensor.redistribute's own argument checks, with its exception types
+for placements in ([Shard(2)], [Shard(0), Shard(1)], [torch.distributed.tensor.Partial()]):
+    try:
+        st.redistribute(xs_mesh, placements)
+        refused.append("no error")
+    except Exception as e:  # noqa: BLE001 (the type is what is checked)
+        refused.append(type(e).__name__)
+out["redistribute_refused"] = refused
 
 # torch_xla's flash_attention kernel (as SDPA) against attention written out in plain PyTorch
 import torch_xla.core.xla_model as xm  # noqa: E402
@@ -57,6 +65,56 @@ out["flash_attention"] = [torch.allclose(flash_attention(q, k, v, causal=True, s
                                          torch.softmax(scores + bias, -1) @ v, atol=1e-6)]
 sent = xm.send_cpu_data_to_device(big.clone(), xm.xla_device(), input_sharding=xs.ShardingSpec(xs_mesh, (0, None)))
 out["sent"] = [len(sent), sent[0].partition_spec, torch.equal(sent[0].full_tensor(), big)]
+
+# torch_xla's gradient_accumulation (XLA's While loop there, a Python loop here) against plain PyTorch's loop
+import copy  # noqa: E402
+
+from torch_xla.experimental.gradient_accumulation import gradient_accumulation  # noqa: E402
+
+lin = nn.Linear(6, 3)
+ref = copy.deepcopy(lin)
+micro, target = torch.randn(3, 4, 6), torch.randn(3, 4, 3)
+ref_loss = 0.0
+for i in range(3):
+    step_loss = nn.functional.mse_loss(ref(micro[i]), target[i]) / 3
+    step_loss.backward()
+    ref_loss += step_loss.item()
+
+
+def train_step(x, y, carried):
+    return nn.functional.mse_loss(lin(x), y), carried + 10
+
+
+acc_loss, carried = gradient_accumulation(train_step, (xs.mark_sharding(micro.clone(), xs_mesh, (None, 0, None)),
+                                                       xs.mark_sharding(target.clone(), xs_mesh, (None, 0, None))),
+                                          lin, torch.tensor(0.0))
+
+
+def _whole(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+out["gradient_accumulation"] = [abs(float(_whole(acc_loss)) - ref_loss) < 1e-5, float(_whole(carried)),
+                                torch.allclose(_whole(lin.weight.grad), ref.weight.grad, rtol=1e-5, atol=1e-6),
+                                torch.allclose(_whole(lin.bias.grad), ref.bias.grad, rtol=1e-5, atol=1e-6)]
+
+# torch_xla's einsum linear: PyTorch's linear here, on a sharded input, with its gradients
+from torch_xla.distributed.spmd.xla_sharding import (  # noqa: E402
+    EinsumLinear,
+    XLAPatchedLinear,
+    apply_xla_patch_to_nn_linear,
+)
+
+xw, ww, bw = torch.randn(5, 6), torch.randn(4, 6), torch.randn(4)
+xg = xw.clone().requires_grad_(True)
+plain_y = nn.functional.linear(xg, ww, bw)
+plain_y.sum().backward()
+xp = xw.clone().requires_grad_(True)
+patched_y = XLAPatchedLinear.apply(xs.mark_sharding_with_gradients(xp, xs_mesh, (0, None)), ww, bw)
+patched_y.sum().backward()
+patched = apply_xla_patch_to_nn_linear(nn.Sequential(nn.Linear(6, 4), nn.ReLU()))
+out["patched_linear"] = [torch.allclose(_whole(patched_y), plain_y, rtol=1e-5, atol=1e-6),
+                         torch.allclose(xp.grad, xg.grad, rtol=1e-5, atol=1e-6), type(patched[0]) is EinsumLinear]
 
 model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
 x = torch.randn(5, 6)

@@ -47,9 +47,6 @@ EQUIVALENTS = {
     "torch_xla.core.xla_model.get_memory_info": "torch.cuda.mem_get_info() / torch.cuda.memory_stats()",
     "torch_xla.core.xla_model.send_cpu_data_to_device": "tensor.to(torch_xla.device())",
     "torch_xla.core.functions": "torch.distributed.nn.functional (differentiable collectives)",
-    "torch_xla.distributed.spmd.wrap_as_sharded_tensor": "xs.mark_sharding (it returns the sharded tensor)",
-    "torch_xla.distributed.spmd.XLAShardedTensor(...)": "xs.mark_sharding(t, mesh, partition_spec), which "
-                                                        "returns one (a DTensor)",
     "torch_xla.distributed.spmd.shard_as": "xs.mark_sharding of both tensors with the same spec",
     "torch_xla.distributed.parallel_loader.ParallelLoader": "torch_xla.distributed.parallel_loader.MpDeviceLoader",
     "torch_xla.distributed.parallel_loader.PerDeviceLoader": "torch_xla.distributed.parallel_loader.MpDeviceLoader",
@@ -72,8 +69,6 @@ EQUIVALENTS = {
     "torch_xla.utils.checkpoint.CheckpointFunction": "torch_xla.utils.checkpoint.checkpoint",
     "torch_xla.experimental.scan_layers": "a Python loop over the layers (torch.compile to compile it)",
     "torch_xla.experimental.scan": "a Python loop (torch.compile to compile it)",
-    "torch_xla.experimental.gradient_accumulation": "a Python loop of forward/backward over micro-batches, then "
-                                                    "one optimizer step",
     "torch_xla.experimental.eager": "nothing: the native engine runs every operation eagerly",
     "torch_xla.experimental.eager_mode": "nothing: the native engine runs every operation eagerly",
     "torch_xla.experimental.custom_kernel.flash_attention": "torch.nn.functional.scaled_dot_product_attention",
@@ -86,6 +81,13 @@ DIFFERENCES = {
         "PyTorch's scaled_dot_product_attention with torch_xla's arguments (scale sm_scale, ab added, causal "
         "mask): the same function, another kernel; partition_spec and mesh are not needed (the inputs carry "
         "their layout); segment ids are not provided",
+    "torch_xla.distributed.spmd.xla_sharding.XLAPatchedLinear":
+        "XLAPatchedLinear.apply(input, weight, bias) is torch.nn.functional.linear (torch_xla computes it with "
+        "einsum for XLA's sharding propagation; DTensor's linear keeps the layouts); its forward/backward are not "
+        "callable on their own. EinsumLinear and apply_xla_patch_to_nn_linear use it",
+    "torch_xla.experimental.gradient_accumulation.gradient_accumulation":
+        "a Python loop over the micro-batches (torch_xla traces train_step once into XLA's While loop): the same "
+        "losses, gradients and carried tensors",
     "torch_xla.experimental.eager_mode":
         "nothing to switch: operations always run as issued (eager_mode(False) does not turn graph tracing on)",
     "torch_xla.distributed.spmd.api.auto_policy":
@@ -169,9 +171,10 @@ DIFFERENCES = {
         "that)",
     "torch_xla.distributed.spmd.xla_sharded_tensor.XLAShardedTensor":
         "an abstract class that every DTensor counts as (isinstance holds for the sharded tensors mark_sharding "
-        "returns, and for parameters annotated in place); not constructible here (NotProvidedError): "
-        "xs.mark_sharding makes one. local_shards holds this process's one shard (torch_xla's process holds "
-        "every local device's); no mesh_shape / partition_spec attributes",
+        "returns, and for parameters annotated in place). XLAShardedTensor(t, mesh_shape, partition_spec) lays t "
+        "out so over a mesh of every device in order and returns the DTensor (torch_xla's wraps t and records "
+        "them); without them t stays as it is laid out (a plain tensor: replicated). local_shards holds this "
+        "process's one shard (torch_xla's process holds every local device's)",
     "torch_xla.distributed.spmd.xla_sharding.MarkShardingFunction":
         "MarkShardingFunction.apply(t, mesh, spec) is xs.mark_sharding_with_gradients(t, mesh, spec), as in "
         "torch_xla; its forward/backward are not callable on their own",

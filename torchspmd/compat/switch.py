@@ -132,6 +132,26 @@ def _announce_shadowing(spec) -> None:
           f"program without --xla-compat.", file=sys.stderr, flush=True)
 
 
+def _xla_redistribute_mesh(mesh, t, placements):
+    """``sharded.redistribute(xs_mesh, placements)``, torch_xla's ``XLAShardedTensor.redistribute``:
+    its argument checks (with its exception types), then the mesh's DeviceMesh."""
+    if not isinstance(mesh, Mesh):
+        return None
+    from torch.distributed.tensor import Partial, Shard
+
+    if placements is not None:
+        if len(placements) != len(mesh.mesh_shape):
+            raise ValueError(f"Number of placements ({len(placements)}) must match mesh dimensions "
+                             f"({len(mesh.mesh_shape)})")
+        for p in placements:
+            if isinstance(p, Partial):
+                raise NotImplementedError("Partial placement is not supported by XLAShardedTensor.redistribute "
+                                          "(torch_xla's rule); use Shard or Replicate placements instead")
+            if isinstance(p, Shard) and not -t.dim() <= p.dim < t.dim():
+                raise IndexError(f"Shard dimension {p.dim} is out of bounds for tensor with {t.dim()} dimensions")
+    return mesh.device_mesh
+
+
 def install() -> None:
     """Turn the layer on in this process (idempotent). Call it before the program imports
     torch_xla, transformers or accelerate."""
@@ -152,6 +172,6 @@ def install() -> None:
     _STATE["installed"] = True
     _device.install()
     process_group.install()
-    dtensor_patches.redistribute_to_meshes(lambda mesh: mesh.device_mesh if isinstance(mesh, Mesh) else None)
+    dtensor_patches.redistribute_to_meshes(_xla_redistribute_mesh)
     if "transformers.trainer" in sys.modules:
         _patch_trainer_module(sys.modules["transformers.trainer"])

@@ -240,8 +240,9 @@ REDISTRIBUTE_MESH = Patch(
 
 
 def redistribute_to_meshes(to_device_mesh: Callable) -> None:
-    """``DTensor.redistribute(mesh, ...)`` with ``mesh`` not a DeviceMesh: ``to_device_mesh(mesh)``
-    (None when it is no mesh known to the caller, which leaves the call as it is)."""
+    """``DTensor.redistribute(mesh, placements)`` with ``mesh`` not a DeviceMesh:
+    ``to_device_mesh(mesh, tensor, placements)`` (None when it is no mesh known to the caller,
+    which leaves the call as it is; it may raise on placements the caller's API refuses)."""
     def install():
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
@@ -251,7 +252,7 @@ def redistribute_to_meshes(to_device_mesh: Callable) -> None:
         @functools.wraps(original)
         def redistribute(self, device_mesh=None, placements=None, *args, **kwargs):
             if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-                device_mesh = to_device_mesh(device_mesh) or device_mesh
+                device_mesh = to_device_mesh(device_mesh, self, placements) or device_mesh
             return original(self, device_mesh, placements, *args, **kwargs)
 
         return replace_attribute(DTensor, "redistribute", redistribute)
