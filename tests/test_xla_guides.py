@@ -39,6 +39,7 @@ def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
         assert out["redistribute_refused"] == ["IndexError", "ValueError", "NotImplementedError"], out
         assert out["gradient_accumulation"] == [True, 30.0, True, True], out
         assert out["patched_linear"] == [True, True, True], out
+        assert out["planners"] == [[["weight"], ["bias"]]] * 2, out
         assert out["flash_attention"] == [True, True] and out["sent"] == [1, [0, None], True], out
 
 

@@ -116,6 +116,17 @@ patched = apply_xla_patch_to_nn_linear(nn.Sequential(nn.Linear(6, 4), nn.ReLU())
 out["patched_linear"] = [torch.allclose(_whole(patched_y), plain_y, rtol=1e-5, atol=1e-6),
                          torch.allclose(xp.grad, xg.grad, rtol=1e-5, atol=1e-6), type(patched[0]) is EinsumLinear]
 
+# torch_xla's checkpoint planners: which entries of the state dict are split over devices
+from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner  # noqa: E402
+
+planned = nn.Linear(4, 2 * world)
+xs.mark_sharding(planned.weight, xs_mesh, (0, None))
+save_planner, load_planner = SPMDSavePlanner(), SPMDLoadPlanner()
+save_planner.set_up_planner(planned.state_dict(), is_coordinator=True)
+load_planner.set_up_planner(planned.state_dict(), None, True)
+out["planners"] = [[sorted(p.sharded_state_dict), sorted(p.unsharded_state_dict)]
+                   for p in (save_planner, load_planner)]
+
 model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
 x = torch.randn(5, 6)
 expected = model(x).detach().clone()

@@ -2,7 +2,8 @@
 ``torch.distributed.checkpoint`` (DCP).
 
 ``SPMDSavePlanner`` / ``SPMDLoadPlanner`` are DCP's default planners (a state dict of
-DTensors is what DCP shards natively). ``CheckpointManager`` keeps numbered checkpoints
+DTensors is what DCP shards natively), with torch_xla's ``sharded_state_dict`` and
+``unsharded_state_dict`` views of the state dict they were set up with. ``CheckpointManager`` keeps numbered checkpoints
 under ``path``: each is written as ``.<step>.tmp`` and renamed to ``<step>`` once every
 process has written its shards, so a failed save never damages an earlier checkpoint;
 ``save_async`` saves before returning (the native engine has no device-to-host queue to
@@ -18,17 +19,38 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.tensor import DTensor
 
 from torchspmd.checkpoint_files import barrier, fsync_dir, rank
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.errors import SpmdError
 
 
-class SPMDSavePlanner(DefaultSavePlanner):
+def _split_over_devices(t) -> bool:
+    """Whether ``t`` is a DTensor that some mesh axis of more than one device splits."""
+    return isinstance(t, DTensor) and any(
+        p.is_shard() and t.device_mesh.size(axis) > 1 for axis, p in enumerate(t.placements))
+
+
+class _Separated:
+    """torch_xla's planners' view of the (flattened) state dict they were set up with:
+    ``sharded_state_dict`` (the tensors split over devices) and ``unsharded_state_dict`` (the
+    others, a tensor annotated as replicated included)."""
+
+    @property
+    def sharded_state_dict(self) -> dict:
+        return {k: v for k, v in self.state_dict.items() if _split_over_devices(v)}
+
+    @property
+    def unsharded_state_dict(self) -> dict:
+        return {k: v for k, v in self.state_dict.items() if not _split_over_devices(v)}
+
+
+class SPMDSavePlanner(_Separated, DefaultSavePlanner):
     """DCP's save planner (sharded tensors are DTensors here)."""
 
 
-class SPMDLoadPlanner(DefaultLoadPlanner):
+class SPMDLoadPlanner(_Separated, DefaultLoadPlanner):
     """DCP's load planner: values are loaded into the state dict's tensors in place,
     resharded to their layouts."""
 
