@@ -116,6 +116,15 @@ patched = apply_xla_patch_to_nn_linear(nn.Sequential(nn.Linear(6, 4), nn.ReLU())
 out["patched_linear"] = [torch.allclose(_whole(patched_y), plain_y, rtol=1e-5, atol=1e-6),
                          torch.allclose(xp.grad, xg.grad, rtol=1e-5, atol=1e-6), type(patched[0]) is EinsumLinear]
 
+# a tensor moved to the device as xm.xla_device() names it is annotated in place, as one moved to 'xla'
+moved_in = torch.randn(8, 3).to(xm.xla_device())
+xs.mark_sharding(moved_in, xs_mesh, (0, None))
+cpu_copy = torch.randn(2).to("cpu") if xm.xla_device().type == "cpu" else None
+as_parameter = nn.Parameter(torch.ones(3, device="xla"))  # model code: a parameter of a tensor put on 'xla'
+out["moved_in_place"] = [isinstance(moved_in, DTensor), moved_in.partition_spec,
+                         cpu_copy is None or type(cpu_copy).__name__ == "OnXlaDevice",
+                         type(as_parameter) is nn.Parameter and as_parameter.is_leaf and as_parameter.requires_grad]
+
 # torch_xla's checkpoint planners: which entries of the state dict are split over devices
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner  # noqa: E402
 

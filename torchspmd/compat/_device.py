@@ -6,7 +6,9 @@ The calls that take a device are wrapped so that ``'xla'``, ``'xla:N'`` and
 ``Tensor.to`` (and so ``Module.to``), ``Tensor.new_*``, every ``torch.*`` factory with a
 ``device`` argument, and ``torch.autocast('xla')``. A
 ``torch.device('xla')`` object itself keeps its type: compare devices by the tensors'
-own ``.device``.
+own ``.device``. A plain tensor put on the device (named ``'xla'``, or as
+``xm.xla_device()`` returns it: ``x.to(xm.xla_device())``) is an ``OnXlaDevice``, which
+``xs.mark_sharding`` shards in place (``xla_tensors``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,22 @@ def is_xla(d) -> bool:
     return isinstance(d, torch.device) and d.type == "xla"
 
 
+def is_native(d) -> bool:
+    """Whether ``d`` is the native device itself (a ``torch.device``, as ``xm.xla_device()``
+    returns it, or its name)."""
+    if not isinstance(d, (str, torch.device)) or is_xla(d):
+        return False
+    try:
+        return torch.device(d) == native()
+    except RuntimeError:  # not a device name (a dtype given as a string, say)
+        return False
+
+
 def _map(d):
     return native() if is_xla(d) else d
 
 
 def install() -> None:
     """The ``'xla'`` device means this process's (``torchspmd.patches.torch.XLA_DEVICE``)."""
-    torch_patches.map_device(is_xla, native, xla_tensors.placed)
+    torch_patches.map_device(is_xla, native, xla_tensors.placed, is_native,
+                             lambda t: type(t) is xla_tensors.OnXlaDevice)

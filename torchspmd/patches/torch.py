@@ -163,18 +163,24 @@ XLA_DEVICE = Patch(
     name="torch: the 'xla' device",
     library="torch",
     what="Tensor.to, Tensor.new_*, every torch.* factory with a device argument and torch.autocast take 'xla' "
-         "(or 'xla:N', torch.device('xla')) to mean this process's device; a plain tensor they put there comes "
-         "back as an OnXlaDevice (a plain tensor whose object has DTensor's layout)",
+         "(or 'xla:N', torch.device('xla')) to mean this process's device; a plain tensor they put there, or "
+         "that Tensor.to puts on that device named as xm.xla_device() names it, comes back as an OnXlaDevice (a "
+         "plain tensor whose object has DTensor's layout); nn.Parameter of one is a plain tensor's parameter",
     why="--xla-compat: torch_xla programs name the 'xla' device, which PyTorch cannot use without torch_xla",
     checked="2.13.0, 2.14.1",
     feature="--xla-compat",
-    targets=("torch:Tensor.to", "torch:autocast", "torch.amp:autocast", "torch.utils._device:_device_constructors"),
+    targets=("torch:Tensor.to", "torch:autocast", "torch.amp:autocast", "torch.utils._device:_device_constructors",
+             "torch.nn:Parameter.__new__"),
 )
 
 
-def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda source, t: t) -> None:
+def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda source, t: t,
+               is_native: Callable = lambda d: False, was_placed: Callable = lambda t: False) -> None:
     """Calls given a device for which ``is_xla(d)`` holds get ``native()`` instead; their result
-    is ``placed(source, result)`` (``source``: the tensor ``.to`` was called on, else None)."""
+    is ``placed(source, result)`` (``source``: the tensor ``.to`` was called on, else None).
+    ``Tensor.to`` given a device for which ``is_native(d)`` holds (the native device itself,
+    as ``xm.xla_device()`` names it) places its result too. ``nn.Parameter(t)`` of a tensor
+    for which ``was_placed(t)`` holds is the parameter of a plain tensor over its data."""
     def wrap_device_kwarg(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
@@ -192,9 +198,13 @@ def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda sou
             xla = False
             if args and is_xla(args[0]):
                 args, xla = (native(),) + args[1:], True
+            elif args and is_native(args[0]):
+                xla = True
             d = kwargs.get("device")
             if d is not None and is_xla(d):
                 kwargs["device"], xla = native(), True
+            elif d is not None and is_native(d):
+                xla = True
             return placed(self, fn(self, *args, **kwargs)) if xla else fn(self, *args, **kwargs)
 
         return to
@@ -222,6 +232,14 @@ def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda sou
             undo.append(replace_attribute(torch, name, wrap_device_kwarg(getattr(torch, name))))
         undo.append(replace_attribute(torch, "autocast", Autocast))
         undo.append(replace_attribute(torch.amp, "autocast", Autocast))
+        parameter_new = torch.nn.Parameter.__new__
+
+        def new_parameter(cls, data=None, requires_grad=True):
+            if data is not None and was_placed(data):  # (a subclass's Parameter would need its own detach())
+                data = torch.Tensor._make_subclass(torch.Tensor, data, False)
+            return parameter_new(cls, data, requires_grad)
+
+        undo.append(replace_attribute(torch.nn.Parameter, "__new__", staticmethod(new_parameter)))
         return lambda: [u() for u in reversed(undo)]
 
     apply(XLA_DEVICE, install)
