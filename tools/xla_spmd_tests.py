@@ -72,7 +72,7 @@ RULES: list[tuple[str, str, str, str]] = [
     ("xla-internal", "failure",
      r"torch_xla\.debug\.metrics|\bmet\.(metric_data|counter_value|short_metrics|counter_names|metric_names)",
      "counts XLA compilations and executions (torch_xla.debug.metrics)"),
-    ("difference", "failure", r"len\(\w*shards\)|local_shards",
+    ("difference", "failure", r"len\(\w*shards\)|local_shards|shards\[[1-9]\]",
      "one process per device: a sharded tensor's local_shards are this process's one shard (torch_xla: every "
      "device of the host)"),
     ("difference", "failure", r"device_type == (\"xla\"|'xla'|mesh\.device_type)",
