@@ -276,6 +276,28 @@ def test_init_process_group_after_use_spmd_reuses_the_group(api):
     assert kind == "SpmdError" and "world_size=5, the group has 4 processes" in text, text
 
 
+def _device_data(world: int) -> dict:
+    out = _compat(HERE / "device_data.py", world)
+    return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_device_data_tables_and_the_save_planners_index_as_torch_xla():
+    """What torch_xla reports (checked against torch_xla itself in tests/xla/test_xla_compat_hlo.py):
+    data the loader sent, and a tensor put on the device before a sync, is ``{replicated}``; a
+    pending one ``''``; its table draws torch_xla's cells; a write item indexes local_shards."""
+    got = _device_data(2)
+    assert got["loader_batch"] == "{replicated}" and got["placed_then_synced"] == "{replicated}", got
+    assert got["placed"] == "" and got["op_result"] == "", got
+    assert got["placed_then_marked"] == "{devices=[2,1]0,1}", got
+    assert got["write_items_resolve_to_their_local_shard"] is True
+    replicated = got["table {replicated}"]
+    assert "CPU [0, 1]" in replicated and replicated.count("CPU") == 1, replicated
+    flipped = got["table {devices=[1,2]1,0}"]
+    assert flipped.index("CPU 1") < flipped.index("CPU 0"), flipped
+    rows = got["table {devices=[8,1,2]0,1,4,5,8,9,12,13,2,3,6,7,10,11,14,15 last_tile_dim_replicate}"]
+    assert [l.strip(" │") for l in rows.splitlines() if "CPU" in l][:3] == ["CPU [0, 1]", "CPU [4, 5]", "CPU [8, 9]"]
+
+
 def test_every_module_and_name_imports_and_what_is_missing_fails_at_use(tmp_path):
     """Every module and name of torch_xla 2.9's manifest under the switch (one process): each
     imports and is one object however imported; every stand-in fails when used, naming its API;

@@ -97,7 +97,7 @@ RULES: list[tuple[str, str, str, str]] = [
      "marking a sharded tensor again re-lays it out (torch_xla refuses without clear_sharding first)"),
     ("difference", "test", r"\.test_xla_sharded_tensor_repr$",
      "a sharded tensor prints as a DTensor (it is one), not as an XLAShardedTensor"),
-    ("difference", "test", r"\.(test_local_save_plan|test_local_load_plan)$",
+    ("difference", "test", r"\.(test_local_save_plan|test_local_load_plan|test_resolve_and_commit_sharded_tensor)$",
      "one process per device: a process's local checkpoint plan holds its one shard (torch_xla's one process: "
      "every device's)"),
     ("difference", "test", r"\.test_hybrid_mesh$",

@@ -84,9 +84,10 @@ def partition_spec(sharding: str, device_grid, axis_names: Sequence[str] | None,
     return None
 
 
-def cells(sharding: str, devices: int) -> dict[tuple, list[int]]:
+def cells(sharding: str, devices: int, in_text_order: bool = False) -> dict[tuple, list[int]]:
     """The device grid of a text by its first two tile dims, ``{((row, 1), (col, 1)):
-    devices}`` (what ``visualize_sharding`` draws); ``devices``: the job's device count."""
+    devices}`` (what ``visualize_sharding`` draws); ``devices``: the job's device count. A
+    cell's devices are sorted, or in the text's order with ``in_text_order``."""
     def bad(why: str) -> SpmdError:
         return SpmdError(f"visualize_sharding({sharding!r}): {why}; give a tensor, or a sharding text such as "
                          f"'{{devices=[2,1]0,1}}' (torch_xla._XLAC._get_xla_sharding_spec(t))")
@@ -112,4 +113,5 @@ def cells(sharding: str, devices: int) -> dict[tuple, list[int]]:
         grid = grid[None]  # a 1-D layout: one row
     rows, cols = grid.shape[0], grid.shape[1]
     grid = grid.reshape(rows, cols, -1)  # deeper tile dims: their devices in the cell of the first two
-    return {((r, 1), (c, 1)): sorted(int(d) for d in grid[r, c]) for r in range(rows) for c in range(cols)}
+    order = list if in_text_order else sorted
+    return {((r, 1), (c, 1)): order(int(d) for d in grid[r, c]) for r in range(rows) for c in range(cols)}

@@ -5,6 +5,7 @@ tests/xla_compat/sharding_cases.py; and with torch_xla installed, the switch say
 shadows it."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,21 @@ def test_the_switch_says_it_shadows_an_installed_torch_xla(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["2.9.0+torchspmd.compat", "1"]
     assert "torch_xla is installed" in r.stderr and "is shadowed" in r.stderr
+
+
+def _result(cmd, env) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT / "tests" / "xla_compat", env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_device_data_tables_and_the_save_planners_index_equal_torch_xlas():
+    """tests/xla_compat/device_data.py on torch_xla (2 CPU devices) and under the switch (2
+    processes): the same sharding texts, tables (drawn identically) and write-item indices. The
+    program leaves out what differs by design: an op's result after a sync (torch_xla's is
+    ``{replicated}``, the layer's ``''``: an op on a tensor put on the device gives a plain one)."""
+    program = str(ROOT / "tests" / "xla_compat" / "device_data.py")
+    theirs = _result([sys.executable, program], clean_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2))
+    ours = _result([sys.executable, "-m", "torchspmd.cli", "run", "--xla-compat", "--nproc", "2", program],
+                   clean_env(PYTHONPATH=ROOT, OMP_NUM_THREADS=1))
+    assert ours == theirs

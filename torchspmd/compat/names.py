@@ -186,7 +186,9 @@ DIFFERENCES = {
     "torch_xla.experimental.distributed_checkpoint.manager.CheckpointManager":
         "numbered DCP checkpoints, each written as .<step>.tmp and renamed when complete; save_async completes "
         "before returning; reached_preemption is False (TPU-only detection)",
-    "torch_xla.experimental.distributed_checkpoint.planners.SPMDSavePlanner": "DCP's default save planner",
+    "torch_xla.experimental.distributed_checkpoint.planners.SPMDSavePlanner":
+        "DCP's default save planner; a sharded tensor's write item indexes its shard in local_shards (0: a "
+        "process holds one)",
     "torch_xla.experimental.distributed_checkpoint.planners.SPMDLoadPlanner": "DCP's default load planner",
     "torch_xla.debug.metrics": "metrics_report() says the engine, devices, steps ended and memory peak; "
                                "counter_names() / metric_names() are empty and counter_value / metric_data None: "

@@ -20,7 +20,13 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["OnXlaDevice", "placed", "shard_in_place", "clear_in_place"]
+from torchspmd import runtime
+
+__all__ = ["OnXlaDevice", "placed", "shard_in_place", "clear_in_place", "mark_device_data", "is_device_data"]
+
+# An OnXlaDevice's attribute: the step it was put on the device in (None: data the loader sent).
+# (An attribute, not a weak map: torch.utils.swap_tensors refuses a tensor with weak references.)
+_PLACED_AT = "_torchspmd_placed_at"
 
 
 class OnXlaDevice(torch.Tensor):
@@ -44,8 +50,30 @@ def placed(source, result):
     if type(result) is not torch.Tensor or isinstance(source, torch.nn.Parameter):
         return result
     if result.grad_fn is None:  # a leaf stays a leaf (as_subclass would make an alias in the graph)
-        return torch.Tensor._make_subclass(OnXlaDevice, result, result.requires_grad)
-    return result.as_subclass(OnXlaDevice)
+        out = torch.Tensor._make_subclass(OnXlaDevice, result, result.requires_grad)
+    else:
+        out = result.as_subclass(OnXlaDevice)
+    setattr(out, _PLACED_AT, runtime.current_step())
+    return out
+
+
+def mark_device_data(t):
+    """``t`` (an ``OnXlaDevice``) is data the loader sent to the device, as torch_xla's
+    ``send_cpu_data_to_device`` makes it: already on the device, not a pending computation."""
+    if type(t) is OnXlaDevice:
+        setattr(t, _PLACED_AT, None)
+    return t
+
+
+def is_device_data(t) -> bool:
+    """Whether torch_xla would hold ``t`` as device data rather than a pending computation: data
+    the loader sent, or a tensor put on the device before the last step boundary (``sync``,
+    ``mark_step``). torch_xla reports such an unannotated tensor as ``'{replicated}'``, a pending
+    one as ``''``."""
+    if type(t) is not OnXlaDevice or not hasattr(t, _PLACED_AT):
+        return False
+    at = getattr(t, _PLACED_AT)
+    return at is None or at < runtime.current_step()
 
 
 def shard_in_place(t, sharded) -> bool:

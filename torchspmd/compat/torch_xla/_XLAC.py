@@ -4,13 +4,19 @@ XLA's runtime, compiler and IR, which the native engine does not have."""
 
 from __future__ import annotations
 
+from torchspmd import hlo, runtime
+from torchspmd.compat import xla_tensors
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.engines.native.sharded_view import sharding_string
 
 
 def _get_xla_sharding_spec(t) -> str:
     """The HLO sharding text of ``t``'s layout as torch_xla prints it (``{devices=[4,1]0,1,2,3}``,
-    ``{replicated}``; ``''`` for a tensor without sharding)."""
+    ``{replicated}``; ``''`` for a tensor without sharding). As in torch_xla under SPMD, an
+    unannotated tensor that is device data (sent by the loader, or put on the device before
+    the last ``sync``) is ``{replicated}``: whole on every device."""
+    if runtime.is_spmd() and xla_tensors.is_device_data(t):
+        return hlo.REPLICATED
     return sharding_string(t)
 
 

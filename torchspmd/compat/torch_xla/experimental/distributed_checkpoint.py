@@ -11,6 +11,7 @@ overlap with). Preemption detection is TPU-only: ``reached_preemption`` is False
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import warnings
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
 from torchspmd.checkpoint_files import barrier, fsync_dir, rank
@@ -47,7 +49,18 @@ class _Separated:
 
 
 class SPMDSavePlanner(_Separated, DefaultSavePlanner):
-    """DCP's save planner (sharded tensors are DTensors here)."""
+    """DCP's save planner (sharded tensors are DTensors here). A sharded tensor's write item
+    names its shard's place in ``local_shards`` (``index.index``), as torch_xla's does: this
+    process holds one shard, at 0."""
+
+    def create_local_plan(self) -> SavePlan:
+        made = super().create_local_plan()
+        fresh = made is self.plan
+        self.plan = dataclasses.replace(self.plan, items=[
+            dataclasses.replace(item, index=dataclasses.replace(item.index, index=0))
+            if item.type == WriteItemType.SHARD and item.index.index is None else item
+            for item in self.plan.items])
+        return self.plan if fresh else made
 
 
 class SPMDLoadPlanner(_Separated, DefaultLoadPlanner):

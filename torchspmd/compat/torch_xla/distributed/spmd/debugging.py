@@ -1,9 +1,28 @@
 """``torch_xla.distributed.spmd.debugging`` under ``--xla-compat``: the visualizations, and
 ``construct_v1_sharding_str`` (torch_xla after 2.9; its tests use it)."""
 
+import torch
+
+from torchspmd import hlo, runtime, sharding_table
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.engines.native.sharded_view import sharding_string
-from torchspmd.sharding import visualize_sharding, visualize_tensor_sharding  # noqa: F401
+
+
+def visualize_sharding(sharding, use_color: bool = True, scale: float = 1.0, min_width: int = 9,
+                       max_width: int = 80):
+    """torch_xla's table of a sharding text (a sharded tensor is taken too): one cell per tile of
+    its first two tile dims, labelled with the devices that hold it, as torch_xla draws it
+    (``scale`` and ``min_width`` change nothing in its drawing either)."""
+    if isinstance(sharding, torch.Tensor):
+        sharding = sharding_string(sharding)
+    print(f"Visualizing {sharding} (showing up to the first two dimensions)")
+    cells = hlo.cells(sharding, runtime.global_runtime_device_count(), in_text_order=True)
+    return sharding_table.render_as_torch_xla(cells, runtime.device_type().upper(), use_color, max_width)
+
+
+def visualize_tensor_sharding(t, **kwargs):
+    """``visualize_sharding`` of ``t``'s sharding text."""
+    return visualize_sharding(sharding_string(t), **kwargs)
 
 
 def construct_v1_sharding_str(t) -> str:
