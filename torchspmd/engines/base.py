@@ -53,6 +53,8 @@ class Capabilities:
     #: a checkpoint is read into the device tensors in place: the optimizer's state is made
     #: first, and the model is not reloaded from the state dict after reading
     checkpoint_in_place: bool = False
+    #: pipeline stages over a mesh axis (``torchspmd.pipeline``)
+    pipeline_stages: bool = False
 
 
 class Engine(abc.ABC):
@@ -207,6 +209,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def replicate(self, module: nn.Module, mesh, data_dims: list[int], shard_output: Callable | None,
                   ddp_kwargs: dict) -> nn.Module: ...
+
+    def pipeline(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str):
+        """The runner of ``model`` cut into stages over ``axis`` (engines with ``pipeline_stages``)."""
+        raise NotImplementedError(f"the {self.name} engine has no pipeline stages")
 
     @abc.abstractmethod
     def fully_shard(self, module: nn.Module, mesh, shard_output: Callable | None, auto_wrap_policy: Callable | None,

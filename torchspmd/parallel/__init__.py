@@ -8,6 +8,7 @@ from torchspmd.parallel.fsdpv2 import (
     SpmdFullyShardedDataParallel,
     shard_in_place,
 )
+from torchspmd.parallel.pipeline import pipeline
 from torchspmd.parallel.replicate import auto_path, replicate, set_auto_replicate
 from torchspmd.parallel.state import (
     clip_grad_norm_,
@@ -28,6 +29,7 @@ __all__ = [
     "shard_in_place",
     "checkpoint_module",
     "replicate",
+    "pipeline",
     "set_auto_replicate",
     "auto_path",
     "clip_grad_norm_",

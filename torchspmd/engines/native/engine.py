@@ -33,6 +33,7 @@ from torchspmd.engines.native import (
     launcher,
     module_slots,
     optimizer_steps,
+    pipeline_stages,
     redistribution,
     rng,
     sharded_view,
@@ -60,7 +61,7 @@ class NativeEngine(Engine):
     backends = ("cpu", "cuda")
     capabilities = Capabilities(process_per_device=True, static_shapes=False, lazy_tensors=False, fused_optimizers=True,
                                 hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=False,
-                                shared_memory_collectives=True)
+                                shared_memory_collectives=True, pipeline_stages=True)
 
     def __init__(self):
         self._owns_process_group = False
@@ -230,6 +231,9 @@ class NativeEngine(Engine):
     # -- wrappers ------------------------------------------------------------------------------
     def replicate(self, module, mesh, data_dims, shard_output, ddp_kwargs):
         return data_parallel.replicate(module, mesh, data_dims, shard_output, ddp_kwargs)
+
+    def pipeline(self, model, mesh, axis, layers, microbatches, schedule):
+        return pipeline_stages.PipelineRunner(model, mesh, axis, layers, microbatches, schedule)
 
     def fully_shard(self, module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable, extra_data_axis,
                     options):

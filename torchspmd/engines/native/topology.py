@@ -96,3 +96,8 @@ def device_type() -> str:
     if _STATE["device_type"] is None:
         raise SpmdError("the native engine is not started: call torchspmd.use_spmd() first")
     return _STATE["device_type"]
+
+
+def device() -> torch.device:
+    """This process's device: ``cuda:<local rank>`` or ``cpu``."""
+    return torch.device("cuda", local_rank()) if device_type() == "cuda" else torch.device("cpu")

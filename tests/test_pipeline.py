@@ -1,0 +1,124 @@
+"""Pipeline stages over a 'pipeline' mesh axis (``ts.pipeline``), against one device.
+
+Every run trains 3 AdamW steps, with the gradients clipped by their global norm, on the same
+random global batches as the one-device oracle (_pp_models.oracle, plain PyTorch in a clean
+process) and must reproduce its losses (on every process), every step's gradients and the
+final parameters of each process's stages (fp32: rtol 1e-5, atol 1e-6). The model has 5 layers
+(uneven over 2 and 4 stages) and, in the tied case, an embedding tied to the LM head, which
+then sit on the first and the last stage.
+"""
+
+import functools
+
+import _pp_models as M
+import numpy as np
+import pytest
+import torch
+from _clean import run_clean
+from _helpers import same_on_every_rank
+
+import torchspmd as ts
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _train(schedule, kind, rows, microbatches):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("pipeline",))
+    model = M.build_llama() if kind == "llama" else M.build(kind == "tied")
+    layer = M.llama_layer() if kind == "llama" else M.Layer
+    canonical = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+    runner = ts.pipeline(model, mesh, split=layer, microbatches=microbatches, schedule=schedule)
+    opt = torch.optim.AdamW(runner.parameters(), lr=M.LR)
+    losses, grads = [], []
+    for x, y in M.batches(rows):
+        losses.append(runner.step(x, y, M.loss_fn).item())
+        runner.clip_grad_norm_(M.MAX_NORM)
+        grads.append({canonical[id(p)]: p.grad.clone() for _, p in runner.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    final = {canonical[id(p)]: p.detach().clone() for _, p in runner.named_parameters()}
+    return dict(losses=losses, grads=grads, final=final, stages=runner.describe()["this process's stages"])
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(kind, rows):
+    return run_clean(M.oracle, kind, rows)
+
+
+def _check(results, kind, rows, stages):
+    ref_losses, ref_grads, ref_final = _oracle(kind, rows)
+    held = set()
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=RTOL, atol=ATOL)
+        assert r["losses"] == results[0]["losses"]  # one program: the same loss on every process
+        for step, (grads, want) in enumerate(zip(r["grads"], ref_grads), 1):
+            for k, g in grads.items():
+                torch.testing.assert_close(g, want[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} {k}: {m}")
+        for k, p in r["final"].items():
+            torch.testing.assert_close(p, ref_final[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+        held |= set(r["final"])
+    assert held == set(ref_final)  # every parameter is some process's
+    assert sorted(k for r in results for k in r["stages"]) == list(range(stages))
+
+
+@pytest.mark.parametrize("schedule, kind, world, stages", [
+    ("gpipe", "plain", 2, 2),
+    ("1f1b", "plain", 2, 2),
+    ("1f1b", "tied", 2, 2),
+    ("interleaved-1f1b", "plain", 2, 4),
+    ("1f1b", "tied", 4, 4),
+    ("1f1b", "llama", 2, 2),
+])
+def test_stages_train_as_one_device(dist, schedule, kind, world, stages):
+    """The loss function is given the last stage's output: a transformers model's logits."""
+    rows, micro = 8, 4
+    results = dist(world).run(_train, schedule, kind, rows, micro)
+    _check(results, kind, rows, stages)
+
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def _errors():
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("pipeline",))
+    out = {}
+    out["rows"] = _error(lambda: ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=5).step(
+        *M.batches(8)[0], M.loss_fn))
+    out["stages"] = _error(lambda: ts.pipeline(M.build(), mesh, split=["layers.0"], microbatches=4))
+    out["schedule"] = _error(lambda: ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=2, schedule="pipedream"))
+    out["axis"] = _error(lambda: ts.pipeline(M.build(), ts.Mesh(np.arange(n), (n,), ("fsdp",)), split=M.Layer,
+                                             microbatches=2))
+    out["split"] = _error(lambda: ts.pipeline(M.build(), mesh, split=torch.nn.Conv1d, microbatches=2))
+    out["few"] = _error(lambda: ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=2))
+    model = M.build()
+    runner = ts.pipeline(model, mesh, split=M.Layer, microbatches=4)
+    x, y = M.batches(4)[0]
+    out["direct"] = _error(lambda: model(x))
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner.step(x, y, M.loss_fn)
+    out["optimizer"] = _error(whole.step)
+    two_d = ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "fsdp"))
+    out["fsdp"] = _error(lambda: ts.pipeline(M.build(), two_d, split=M.Layer, microbatches=4))
+    return out
+
+
+def test_errors_name_the_argument_on_every_process(dist):
+    got = same_on_every_rank(dist(4).run(_errors))
+    assert "the batch's 8 rows do not split into microbatches=5" in got["rows"]
+    assert "4 stages need at least 4 split points" in got["stages"]
+    assert "pipeline(schedule='pipedream'): choose one of gpipe, 1f1b" in got["schedule"]
+    assert "pipeline(axis='pipeline'): the mesh has no such axis" in got["axis"]
+    assert "the model has no Conv1d module" in got["split"]
+    assert "the 1f1b schedule needs at least one micro-batch per stage (4)" in got["few"]
+    assert "run it through its runner" in got["direct"]
+    assert "build the optimizer after torchspmd.pipeline(...), from runner.parameters()" in got["optimizer"]
+    assert "['fsdp'] have more than one device" in got["fsdp"]

@@ -1,0 +1,324 @@
+"""Pipeline stages over a mesh axis, on ``torch.distributed.pipelining``.
+
+The model is traced (``torch.distributed.pipelining.pipeline``, through ``torch.export``) with
+one micro-batch of the step's inputs and cut before the modules that begin each stage; the
+process at position ``k`` of the pipeline axis runs stage ``k`` (stages ``k``, ``k + S``, ...
+with virtual stages), with PyTorch's schedules moving activations and their gradients between
+neighbours. The stage modules compute with the model's own parameters (a parameter the trace
+copied into a second stage, as an embedding tied to the LM head, is the model's one parameter
+again), so an optimizer over ``parameters()`` updates the model itself. A parameter that
+several processes' stages use has its gradient summed over them after the backward pass.
+
+A trace is made per micro-batch shape and training mode, and kept.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from torchspmd.engines.native import device_mesh as device_meshes
+from torchspmd.engines.native import topology
+from torchspmd.errors import SpmdError
+
+__all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages"]
+
+#: schedule name -> (torch.distributed.pipelining class, stages per process)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which module names begin each stage after the first, and which parameters (by name,
+    as the model names them) each stage holds."""
+
+    starts: tuple[str, ...]
+    params: tuple[tuple[str, ...], ...]
+    #: the number of the model's parameters (elements) in each stage, for balance reports
+    sizes: tuple[int, ...]
+
+
+def _parent_and_leaf(root: nn.Module, name: str):
+    *path, leaf = name.split(".")
+    mod = root
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, leaf
+
+
+def plan_stages(model: nn.Module, num_stages: int, layers: list[str]) -> StagePlan:
+    """Cut ``model`` into ``num_stages`` runs of the consecutive modules ``layers`` (names, in
+    the model's order), balanced by parameter count; the modules registered before the first
+    layer belong to the first stage, those after the last to the last stage."""
+    if len(layers) < num_stages:
+        raise SpmdError(f"pipeline(split=...): {num_stages} stages need at least {num_stages} split points "
+                        f"(layers); the model has {len(layers)}: use fewer stages on the 'pipeline' axis")
+    size_of = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in layers}
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+
+    def owner(pname: str) -> str | None:
+        for layer in layers:
+            if pname.startswith(layer + "."):
+                return layer
+        return None
+
+    first_layer_at = min(names.index(n) for n in names if owner(n) is not None) if any(
+        owner(n) for n in names) else len(names)
+    pre = sum(model.get_parameter(n).numel() for n in names[:first_layer_at] if owner(n) is None)
+    post = sum(model.get_parameter(n).numel() for n in names[first_layer_at:] if owner(n) is None)
+    # cumulative size at the start of each layer, the first stage's extra modules included
+    cum = [pre]
+    for n in layers:
+        cum.append(cum[-1] + size_of[n])
+    total = cum[-1] + post
+    starts_at = []
+    lo = 1
+    for k in range(1, num_stages):
+        target = total * k / num_stages
+        hi = len(layers) - (num_stages - k)  # leave a layer for each later stage
+        best = min(range(lo, hi + 1), key=lambda i: (abs(cum[i] - target), i))
+        starts_at.append(best)
+        lo = best + 1
+    bounds = [0, *starts_at, len(layers)]
+    stage_of_layer = {layers[i]: k for k in range(num_stages) for i in range(bounds[k], bounds[k + 1])}
+    params: list[list[str]] = [[] for _ in range(num_stages)]
+    for i, n in enumerate(names):
+        layer = owner(n)
+        k = stage_of_layer[layer] if layer is not None else (0 if i < first_layer_at else num_stages - 1)
+        params[k].append(n)
+    sizes = []
+    for k in range(num_stages):
+        seen = {}
+        for n in params[k]:
+            p = model.get_parameter(n)
+            seen[id(p)] = p.numel()
+        sizes.append(sum(seen.values()))
+    return StagePlan(tuple(layers[i] for i in starts_at), tuple(tuple(p) for p in params), tuple(sizes))
+
+
+def _pipelining():
+    """``torch.distributed.pipelining``, imported when a model is first split (it takes
+    seconds to import: torch.export comes with it)."""
+    import torch.distributed.pipelining as pipelining
+
+    return pipelining
+
+
+# Live runners, for the optimizer check (an optimizer over another stage's parameters).
+_RUNNERS: weakref.WeakSet = weakref.WeakSet()
+_HOOK = None
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    for runner in list(_RUNNERS):
+        runner.check_optimizer(optimizer)
+
+
+class PipelineRunner:
+    """The training step of a model cut into pipeline stages. See ``torchspmd.pipeline``."""
+
+    def __init__(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str):
+        global _HOOK
+        dm = device_meshes.device_mesh(mesh)
+        names = list(mesh.axis_names)
+        others = [a for a in names if a != axis and mesh.mesh_shape[names.index(a)] > 1]
+        if others:
+            raise SpmdError(f"pipeline(mesh=...): the mesh's axes {others} have more than one device; pipeline stages "
+                            f"combine only with axes of size 1 for now (FSDPv2 or 'model' inside a stage is not "
+                            f"available yet): give the 'pipeline' axis every device")
+        self.model = model
+        self.axis = axis
+        self.group = dm.get_group(axis)
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.degree = len(self.ranks)
+        self.position = self.ranks.index(dist.get_rank())
+        self.schedule_name = schedule
+        cls_name, per_process = SCHEDULES[schedule]
+        pipelining = _pipelining()
+        self.schedule_class = getattr(pipelining, cls_name, None)
+        if self.schedule_class is None:
+            have = [s for s, (c, _) in SCHEDULES.items() if hasattr(pipelining, c)]
+            raise SpmdError(f"pipeline(schedule={schedule!r}): torch {torch.__version__} has no {cls_name}; choose "
+                            f"one of {', '.join(have)}")
+        self.num_stages = self.degree * per_process
+        self.microbatches = microbatches
+        if schedule == "1f1b" and microbatches < self.num_stages:
+            raise SpmdError(f"pipeline(microbatches={microbatches}): the 1f1b schedule needs at least one micro-batch "
+                            f"per stage ({self.num_stages}); give more, or schedule='gpipe'")
+        if per_process > 1 and microbatches % self.degree:
+            raise SpmdError(f"pipeline(microbatches={microbatches}): the {schedule} schedule needs a multiple of the "
+                            f"'{axis}' axis's {self.degree} processes")
+        self.plan = plan_stages(model, self.num_stages, layers)
+        #: the stages this process runs (stage k on the process at position k % degree)
+        self.stage_indices = [k for k in range(self.num_stages) if k % self.degree == self.position]
+        mine = {n for k in self.stage_indices for n in self.plan.params[k]}
+        self._mine = []
+        seen = set()
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if n in mine and id(p) not in seen:
+                seen.add(id(p))
+                self._mine.append((n, p))
+        held_by = {}
+        for k in range(self.num_stages):
+            for n in self.plan.params[k]:
+                held_by.setdefault(id(model.get_parameter(n)), set()).add(k % self.degree)
+        #: the parameters (one name each) that the stages of several processes use: summed gradients
+        self._shared = [n for n, p in _unique(model) if len(held_by.get(id(p), ())) > 1]
+        mine_ids = {id(p) for _, p in self._mine}
+        # other stages' parameters, kept (while the runner lives their ids name them alone)
+        self._others = {id(p): p for _, p in _unique(model) if id(p) not in mine_ids}
+        self._traces: dict = {}
+        self._tracing = False
+        model.register_forward_pre_hook(self._direct_call)
+        _RUNNERS.add(self)
+        if _HOOK is None:
+            _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+
+    # -- what the program asks ------------------------------------------------------------------
+    def parameters(self):
+        """This process's stages' parameters (each once): what its optimizer steps."""
+        return iter([p for _, p in self._mine])
+
+    def named_parameters(self):
+        return iter(list(self._mine))
+
+    def check_optimizer(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if self._others.get(id(p)) is p:
+                    raise SpmdError("an optimizer over the whole model stepped after pipeline(model): it holds "
+                                    "parameters of other processes' stages; build the optimizer after "
+                                    "torchspmd.pipeline(...), from runner.parameters()")
+
+    def _direct_call(self, module, args):
+        if not self._tracing:
+            raise SpmdError(f"{type(module).__name__} is split into pipeline stages over the '{self.axis}' axis; run "
+                            f"it through its runner (runner.step(inputs, targets, loss_fn)), not model(...)")
+
+    # -- the step -------------------------------------------------------------------------------
+    def _trace(self, micro: torch.Tensor):
+        pipelining = _pipelining()
+        self._tracing = True
+        try:
+            pipe = pipelining.pipeline(self.model, mb_args=(micro,),
+                                       split_spec={name: pipelining.SplitPoint.BEGINNING for name in self.plan.starts})
+        finally:
+            self._tracing = False
+        if pipe.num_stages != self.num_stages:
+            raise SpmdError(f"pipeline(split=...): the traced model gave {pipe.num_stages} stages, not "
+                            f"{self.num_stages}: a split point the forward pass does not reach")
+        stages = []
+        for k in self.stage_indices:
+            sub = pipe.get_stage_module(k)
+            planned = {id(self.model.get_parameter(n)) for n in self.plan.params[k]}
+            for n, p in list(sub.named_parameters(remove_duplicate=False)):
+                try:
+                    original = self.model.get_parameter(n)
+                except AttributeError:
+                    raise SpmdError(f"pipeline: stage {k}'s parameter {n!r} is not one of the model's") from None
+                if id(original) not in planned:
+                    raise SpmdError(f"pipeline: the forward pass uses {n!r} in stage {k}, but it is registered with "
+                                    f"the modules of another stage; give split= the module names so that the "
+                                    f"modules a stage uses are registered with it")
+                parent, leaf = _parent_and_leaf(sub, n)
+                if getattr(parent, leaf) is not original:
+                    parent.register_parameter(leaf, original)  # the model's own parameter
+            sub.train(self.model.training)
+            stages.append(pipelining.build_stage(sub, k, pipe.info(), topology.device(), self.group))
+        return stages
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        rows = inputs.shape[0]
+        if rows % self.microbatches:
+            raise SpmdError(f"pipeline.step(inputs=...): the batch's {rows} rows do not split into "
+                            f"microbatches={self.microbatches}; give a batch whose rows are a multiple of it")
+        if targets.shape[0] != rows:
+            raise SpmdError(f"pipeline.step(targets=...): {targets.shape[0]} rows, the inputs have {rows}")
+        micro = inputs[: rows // self.microbatches]
+        key = (tuple(micro.shape), micro.dtype, self.model.training, loss_fn)
+        if key not in self._traces:
+            stages = self._trace(micro)
+            one = stages if len(stages) > 1 else stages[0]
+            self._traces[key] = self.schedule_class(one, self.microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = self._traces[key]
+        losses: list = []
+        kwargs = {}
+        if 0 in self.stage_indices:
+            args = (inputs,)
+        else:
+            args = ()
+        if self.num_stages - 1 in self.stage_indices:
+            kwargs = {"target": targets, "losses": losses}
+        schedule.step(*args, **kwargs)
+        self._sum_shared_grads()
+        loss = (torch.stack([l.detach().float() for l in losses]).mean() if losses
+                else torch.zeros((), device=topology.device()))
+        last = self.ranks[(self.num_stages - 1) % self.degree]
+        dist.broadcast(loss, src=last, group=self.group)
+        return loss
+
+    def _sum_shared_grads(self) -> None:
+        mine = {id(p) for _, p in self._mine}
+        for n in self._shared:
+            p = self.model.get_parameter(n)
+            if id(p) not in mine:  # another process's: this one adds nothing, and keeps no gradient
+                dist.all_reduce(torch.zeros_like(p), group=self.group)
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every stage by their global norm (each parameter counted once),
+        as one device would; returns that norm on every process."""
+        norm_type = float(norm_type)
+        shared = {id(self.model.get_parameter(n)) for n in self._shared}
+        grads, first_holder = [], True
+        for _, p in self._mine:
+            if p.grad is None:
+                continue
+            if id(p) in shared:  # counted by the process of its lowest stage only
+                first_holder = min(k % self.degree for k in range(self.num_stages)
+                                   if any(self.model.get_parameter(m) is p for m in self.plan.params[k]))
+                if first_holder != self.position:
+                    continue
+            grads.append(p.grad.detach())
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            local = local.float().to(topology.device())
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            total = local
+        else:
+            local = (torch.stack([g.float().norm(norm_type) ** norm_type for g in grads]).sum() if grads
+                     else torch.zeros((), device=topology.device()))
+            dist.all_reduce(local, group=self.group)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for _, p in self._mine:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return total
+
+    def describe(self) -> dict:
+        return {"axis": self.axis, "processes": self.degree, "stages": self.num_stages, "schedule": self.schedule_name,
+                "microbatches": self.microbatches, "stage starts": list(self.plan.starts),
+                "parameters per stage": list(self.plan.sizes), "this process's stages": self.stage_indices}
+
+
+def _unique(model: nn.Module):
+    seen = set()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield n, p
