@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _clean import run_clean
+from torch.distributed.tensor import DTensor
 from _helpers import same_on_every_rank
 
 import torchspmd as ts
@@ -22,25 +23,38 @@ import torchspmd as ts
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _train(schedule, kind, rows, microbatches):
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(schedule, kind, rows, microbatches, fsdp=1):
     n = ts.global_runtime_device_count()
-    mesh = ts.Mesh(np.arange(n), (n,), ("pipeline",))
+    mesh = ts.Mesh(np.arange(n), (n // fsdp, fsdp), ("pipeline", "fsdp"))
     model = M.build_llama() if kind == "llama" else M.build(kind == "tied")
     layer = M.llama_layer() if kind == "llama" else M.Layer
     canonical = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical.setdefault(id(p), name)
-    runner = ts.pipeline(model, mesh, split=layer, microbatches=microbatches, schedule=schedule)
+    example = M.batches(rows)[0][0] if fsdp > 1 else None
+    runner = ts.pipeline(model, mesh, split=layer, microbatches=microbatches, schedule=schedule,
+                         example_inputs=example)
     opt = torch.optim.AdamW(runner.parameters(), lr=M.LR)
     losses, grads = [], []
     for x, y in M.batches(rows):
         losses.append(runner.step(x, y, M.loss_fn).item())
         runner.clip_grad_norm_(M.MAX_NORM)
-        grads.append({canonical[id(p)]: p.grad.clone() for _, p in runner.named_parameters()})
+        grads.append({name: _full(p.grad).clone() for name, p in _named(runner, model, canonical)})
         opt.step()
         opt.zero_grad()
-    final = {canonical[id(p)]: p.detach().clone() for _, p in runner.named_parameters()}
+    final = {name: _full(p.detach()).clone() for name, p in _named(runner, model, canonical)}
     return dict(losses=losses, grads=grads, final=final, stages=runner.describe()["this process's stages"])
+
+
+def _named(runner, model, canonical):
+    """The runner's parameters by the model's first name for each (a tied one's name is the
+    embedding's on every stage)."""
+    for name, p in runner.named_parameters():
+        yield canonical[id(model.get_parameter(name))], p
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +75,7 @@ def _check(results, kind, rows, stages):
             torch.testing.assert_close(p, ref_final[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
         held |= set(r["final"])
     assert held == set(ref_final)  # every parameter is some process's
-    assert sorted(k for r in results for k in r["stages"]) == list(range(stages))
+    assert sorted({k for r in results for k in r["stages"]}) == list(range(stages))
 
 
 @pytest.mark.parametrize("schedule, kind, world, stages", [
@@ -77,6 +91,14 @@ def test_stages_train_as_one_device(dist, schedule, kind, world, stages):
     rows, micro = 8, 4
     results = dist(world).run(_train, schedule, kind, rows, micro)
     _check(results, kind, rows, stages)
+
+
+@pytest.mark.parametrize("schedule, kind", [("1f1b", "tied"), ("gpipe", "llama")])
+def test_stages_with_fsdp_inside_train_as_one_device(dist, schedule, kind):
+    """('pipeline', 'fsdp') = (2, 2): each stage's parameters split over its two processes, the
+    batch's rows too; the gradients and parameters are compared whole."""
+    results = dist(4).run(_train, schedule, kind, 8, 2, 2)
+    _check(results, kind, 8, 2)
 
 
 def _error(fn, *args):
@@ -108,6 +130,8 @@ def _errors():
     out["optimizer"] = _error(whole.step)
     two_d = ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "fsdp"))
     out["fsdp"] = _error(lambda: ts.pipeline(M.build(), two_d, split=M.Layer, microbatches=4))
+    out["model"] = _error(lambda: ts.pipeline(M.build(), ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "model")),
+                                              split=M.Layer, microbatches=4))
     return out
 
 
@@ -121,4 +145,5 @@ def test_errors_name_the_argument_on_every_process(dist):
     assert "the 1f1b schedule needs at least one micro-batch per stage (4)" in got["few"]
     assert "run it through its runner" in got["direct"]
     assert "build the optimizer after torchspmd.pipeline(...), from runner.parameters()" in got["optimizer"]
-    assert "['fsdp'] have more than one device" in got["fsdp"]
+    assert "with 'fsdp' inside the stages, give one batch's inputs" in got["fsdp"]
+    assert "the mesh's axes ['model'] have more than one device" in got["model"]

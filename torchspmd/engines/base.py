@@ -210,7 +210,8 @@ class Engine(abc.ABC):
     def replicate(self, module: nn.Module, mesh, data_dims: list[int], shard_output: Callable | None,
                   ddp_kwargs: dict) -> nn.Module: ...
 
-    def pipeline(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str):
+    def pipeline(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str,
+                 example_inputs):
         """The runner of ``model`` cut into stages over ``axis`` (engines with ``pipeline_stages``)."""
         raise NotImplementedError(f"the {self.name} engine has no pipeline stages")
 

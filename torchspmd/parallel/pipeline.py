@@ -51,7 +51,7 @@ def _layer_names(model: nn.Module, split) -> list[str]:
 
 
 def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipeline", split=None, microbatches: int,
-             schedule: str = "1f1b"):
+             schedule: str = "1f1b", example_inputs=None):
     """Split ``model`` into stages over the mesh axis ``axis`` and return its runner.
 
     Args:
@@ -63,6 +63,9 @@ def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipelin
         microbatches: the number of micro-batches each global batch is split into (a divisor
             of its rows).
         schedule: ``'gpipe'``, ``'1f1b'`` or ``'interleaved-1f1b'`` (two stages per process).
+        example_inputs: one global batch's inputs, of the steps' shape: the stages are traced
+            with it now rather than at the first step. Needed with an ``'fsdp'`` axis of more
+            than one device, whose stages are sharded over it before the optimizer is built.
     """
     engine = engines.current("pipeline")
     if not engine.capabilities.pipeline_stages:
@@ -81,5 +84,5 @@ def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipelin
         raise SpmdError(f"pipeline(microbatches={microbatches!r}): give a positive number")
     if split is None:
         raise SpmdError("pipeline(split=...): give the class of the model's decoder layers, or module names")
-    return engine.pipeline(model, mesh, axis, _layer_names(model, split), microbatches, schedule)
+    return engine.pipeline(model, mesh, axis, _layer_names(model, split), microbatches, schedule, example_inputs)
 

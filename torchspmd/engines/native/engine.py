@@ -232,8 +232,8 @@ class NativeEngine(Engine):
     def replicate(self, module, mesh, data_dims, shard_output, ddp_kwargs):
         return data_parallel.replicate(module, mesh, data_dims, shard_output, ddp_kwargs)
 
-    def pipeline(self, model, mesh, axis, layers, microbatches, schedule):
-        return pipeline_stages.PipelineRunner(model, mesh, axis, layers, microbatches, schedule)
+    def pipeline(self, model, mesh, axis, layers, microbatches, schedule, example_inputs):
+        return pipeline_stages.PipelineRunner(model, mesh, axis, layers, microbatches, schedule, example_inputs)
 
     def fully_shard(self, module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable, extra_data_axis,
                     options):

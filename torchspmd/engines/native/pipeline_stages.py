@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchspmd.engines.native import device_mesh as device_meshes
@@ -128,17 +129,26 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
 class PipelineRunner:
     """The training step of a model cut into pipeline stages. See ``torchspmd.pipeline``."""
 
-    def __init__(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str):
+    def __init__(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str,
+                 example_inputs: torch.Tensor | None = None):
         global _HOOK
         dm = device_meshes.device_mesh(mesh)
         names = list(mesh.axis_names)
-        others = [a for a in names if a != axis and mesh.mesh_shape[names.index(a)] > 1]
+        others = [a for a in names if a not in (axis, "fsdp") and mesh.mesh_shape[names.index(a)] > 1]
         if others:
-            raise SpmdError(f"pipeline(mesh=...): the mesh's axes {others} have more than one device; pipeline stages "
-                            f"combine only with axes of size 1 for now (FSDPv2 or 'model' inside a stage is not "
-                            f"available yet): give the 'pipeline' axis every device")
+            raise SpmdError(f"pipeline(mesh=...): the mesh's axes {others} have more than one device; inside a stage "
+                            f"only 'fsdp' splits for now (the 'model' axis is not available there yet)")
         self.model = model
         self.axis = axis
+        #: FSDP inside each stage: the stage's processes along 'fsdp' split its parameters and the batch's rows
+        self.fsdp = dm["fsdp"] if "fsdp" in names and mesh.mesh_shape[names.index("fsdp")] > 1 else None
+        self.fsdp_size = self.fsdp.size() if self.fsdp is not None else 1
+        self.fsdp_rank = self.fsdp.get_local_rank() if self.fsdp is not None else 0
+        if self.fsdp is not None and example_inputs is None:
+            raise SpmdError("pipeline(example_inputs=...): with 'fsdp' inside the stages, give one batch's inputs "
+                            "(its shape is the steps' shape): the stages are traced and sharded before the optimizer "
+                            "is built")
+        self.layers = list(layers)
         self.group = dm.get_group(axis)
         self.ranks = dist.get_process_group_ranks(self.group)
         self.degree = len(self.ranks)
@@ -179,7 +189,18 @@ class PipelineRunner:
         # other stages' parameters, kept (while the runner lives their ids name them alone)
         self._others = {id(p): p for _, p in _unique(model) if id(p) not in mine_ids}
         self._traces: dict = {}
+        self._stages: dict = {}
         self._tracing = False
+        if self.fsdp is not None:  # the model's own parameters are replaced by the stages' shards
+            self._others = {id(p): p for _, p in _unique(model)}
+            micro = self._local_rows(example_inputs)[: example_inputs.shape[0] // self.microbatches // self.fsdp_size]
+            stages = self._stages[self._shape_key(micro)] = self._trace(micro)
+            self._mine, seen = [], set()
+            for st in stages:
+                for n, p in st.submod.named_parameters(remove_duplicate=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self._mine.append((n, p))
         model.register_forward_pre_hook(self._direct_call)
         _RUNNERS.add(self)
         if _HOOK is None:
@@ -187,11 +208,22 @@ class PipelineRunner:
 
     # -- what the program asks ------------------------------------------------------------------
     def parameters(self):
-        """This process's stages' parameters (each once): what its optimizer steps."""
+        """This process's stages' parameters (each once): what its optimizer steps (with 'fsdp'
+        inside the stages, DTensors holding this process's shards)."""
         return iter([p for _, p in self._mine])
 
     def named_parameters(self):
         return iter(list(self._mine))
+
+    def _shape_key(self, micro: torch.Tensor):
+        return (tuple(micro.shape), micro.dtype, self.model.training)
+
+    def _local_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a global batch: its share along 'fsdp' (all of it without)."""
+        if self.fsdp is None:
+            return batch
+        share = batch.shape[0] // self.fsdp_size
+        return batch[self.fsdp_rank * share:(self.fsdp_rank + 1) * share]
 
     def check_optimizer(self, optimizer) -> None:
         for group in optimizer.param_groups:
@@ -235,20 +267,45 @@ class PipelineRunner:
                 if getattr(parent, leaf) is not original:
                     parent.register_parameter(leaf, original)  # the model's own parameter
             sub.train(self.model.training)
+            if self.fsdp is not None:
+                self._shard(sub)
             stages.append(pipelining.build_stage(sub, k, pipe.info(), topology.device(), self.group))
         return stages
 
+    def _shard(self, sub: nn.Module) -> None:
+        """FSDP2 over 'fsdp' for a stage: each of its layers a unit, the rest the stage's."""
+        from torch.distributed.fsdp import fully_shard
+
+        for name in self.layers:
+            try:
+                layer = sub.get_submodule(name)
+            except AttributeError:
+                continue
+            fully_shard(layer, mesh=self.fsdp)
+        fully_shard(sub, mesh=self.fsdp)
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         rows = inputs.shape[0]
-        if rows % self.microbatches:
+        if rows % (self.microbatches * self.fsdp_size):
+            over = f" x the 'fsdp' axis's {self.fsdp_size} processes" if self.fsdp is not None else ""
             raise SpmdError(f"pipeline.step(inputs=...): the batch's {rows} rows do not split into "
-                            f"microbatches={self.microbatches}; give a batch whose rows are a multiple of it")
+                            f"microbatches={self.microbatches}{over}; give a batch whose rows are a multiple of "
+                            f"{self.microbatches * self.fsdp_size}")
         if targets.shape[0] != rows:
             raise SpmdError(f"pipeline.step(targets=...): {targets.shape[0]} rows, the inputs have {rows}")
-        micro = inputs[: rows // self.microbatches]
-        key = (tuple(micro.shape), micro.dtype, self.model.training, loss_fn)
+        inputs, targets = self._local_rows(inputs), self._local_rows(targets)
+        micro = inputs[: inputs.shape[0] // self.microbatches]
+        shape = self._shape_key(micro)
+        if shape not in self._stages:
+            if self.fsdp is not None:
+                raise SpmdError(f"pipeline.step(inputs=...): micro-batches of shape {tuple(micro.shape)}, but the "
+                                f"stages were traced and sharded for {next(iter(self._stages))[0]} "
+                                f"(example_inputs); with 'fsdp' inside the stages every step has that shape: pad "
+                                f"the batch to it")
+            self._stages[shape] = self._trace(micro)
+        key = (shape, loss_fn)
         if key not in self._traces:
-            stages = self._trace(micro)
+            stages = self._stages[shape]
             one = stages if len(stages) > 1 else stages[0]
             self._traces[key] = self.schedule_class(one, self.microbatches, loss_fn=loss_fn, scale_grads=True)
         schedule = self._traces[key]
@@ -264,56 +321,86 @@ class PipelineRunner:
         self._sum_shared_grads()
         loss = (torch.stack([l.detach().float() for l in losses]).mean() if losses
                 else torch.zeros((), device=topology.device()))
+        if self.fsdp is not None and losses:  # the last stage's processes: the mean of their rows' losses
+            dist.all_reduce(loss, group=self.fsdp.get_group())
+            loss /= self.fsdp_size
         last = self.ranks[(self.num_stages - 1) % self.degree]
         dist.broadcast(loss, src=last, group=self.group)
         return loss
 
+    def _held(self, name: str):
+        """This process's tensor of the model's parameter ``name`` (one of its stages' shards
+        with 'fsdp' inside them), or None where its stages do not use it."""
+        original = self.model.get_parameter(name)
+        if self.fsdp is None:
+            return original if any(p is original for _, p in self._mine) else None
+        aliases = [n for n, p in self.model.named_parameters(remove_duplicate=False) if p is original]
+        for stage in next(iter(self._stages.values())):
+            for alias in aliases:
+                try:
+                    return stage.submod.get_parameter(alias)
+                except AttributeError:
+                    continue
+        return None
+
+    def _local_shape(self, name: str) -> torch.Size:
+        """The shape of this process's part of the parameter ``name`` (FSDP2's dim-0 chunk)."""
+        full = torch.empty(self.model.get_parameter(name).shape, device="meta")
+        if self.fsdp is None:
+            return full.shape
+        chunks = full.chunk(self.fsdp_size, dim=0)
+        return chunks[self.fsdp_rank].shape if self.fsdp_rank < len(chunks) else torch.Size([0, *full.shape[1:]])
+
     def _sum_shared_grads(self) -> None:
-        mine = {id(p) for _, p in self._mine}
         for n in self._shared:
-            p = self.model.get_parameter(n)
-            if id(p) not in mine:  # another process's: this one adds nothing, and keeps no gradient
-                dist.all_reduce(torch.zeros_like(p), group=self.group)
+            p = self._held(n)
+            if p is None:  # another process's: this one adds nothing, and keeps no gradient
+                dist.all_reduce(torch.zeros(self._local_shape(n), device=topology.device()), group=self.group)
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)
+            dist.all_reduce(_local(p.grad), group=self.group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every stage by their global norm (each parameter counted once),
         as one device would; returns that norm on every process."""
         norm_type = float(norm_type)
-        shared = {id(self.model.get_parameter(n)) for n in self._shared}
-        grads, first_holder = [], True
-        for _, p in self._mine:
-            if p.grad is None:
-                continue
-            if id(p) in shared:  # counted by the process of its lowest stage only
-                first_holder = min(k % self.degree for k in range(self.num_stages)
-                                   if any(self.model.get_parameter(m) is p for m in self.plan.params[k]))
-                if first_holder != self.position:
-                    continue
-            grads.append(p.grad.detach())
+        first_holder = {}
+        for k in range(self.num_stages):
+            for n in self.plan.params[k]:
+                first_holder.setdefault(id(self.model.get_parameter(n)), k % self.degree)
+        counted = set()
+        for n in self._shared:  # counted by the processes of the lowest stage that uses it only
+            if first_holder[id(self.model.get_parameter(n))] != self.position:
+                p = self._held(n)
+                if p is not None:
+                    counted.add(id(p))
+        grads = [_local(p.grad).detach() for _, p in self._mine if p.grad is not None and id(p) not in counted]
+        device = topology.device()
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
-            local = local.float().to(topology.device())
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros((), device=device)])
+            local = local.max().float()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
             total = local
         else:
-            local = (torch.stack([g.float().norm(norm_type) ** norm_type for g in grads]).sum() if grads
-                     else torch.zeros((), device=topology.device()))
-            dist.all_reduce(local, group=self.group)
+            local = torch.stack([g.float().norm(norm_type) ** norm_type for g in grads]
+                                or [torch.zeros((), device=device)]).sum()
+            dist.all_reduce(local)
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for _, p in self._mine:
             if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+                _local(p.grad).detach().mul_(coef.to(p.grad.dtype))
         return total
 
     def describe(self) -> dict:
         return {"axis": self.axis, "processes": self.degree, "stages": self.num_stages, "schedule": self.schedule_name,
                 "microbatches": self.microbatches, "stage starts": list(self.plan.starts),
                 "parameters per stage": list(self.plan.sizes), "this process's stages": self.stage_indices}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _unique(model: nn.Module):
