@@ -27,7 +27,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(schedule, kind, rows, microbatches, fsdp=1):
+def _train(schedule, kind, rows, microbatches, fsdp=1, fixed=False):
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(np.arange(n), (n // fsdp, fsdp), ("pipeline", "fsdp"))
     model = M.build_llama() if kind == "llama" else M.build(kind == "tied")
@@ -35,7 +35,8 @@ def _train(schedule, kind, rows, microbatches, fsdp=1):
     canonical = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical.setdefault(id(p), name)
-    example = M.batches(rows)[0][0] if fsdp > 1 else None
+    whole = sum(p.numel() for p in model.parameters())
+    example = M.batches(rows)[0][0] if fsdp > 1 or fixed else None
     runner = ts.pipeline(model, mesh, split=layer, microbatches=microbatches, schedule=schedule,
                          example_inputs=example)
     opt = torch.optim.AdamW(runner.parameters(), lr=M.LR)
@@ -47,7 +48,12 @@ def _train(schedule, kind, rows, microbatches, fsdp=1):
         opt.step()
         opt.zero_grad()
     final = {name: _full(p.detach()).clone() for name, p in _named(runner, model, canonical)}
-    return dict(losses=losses, grads=grads, final=final, stages=runner.describe()["this process's stages"])
+    unique = {id(p): p for p in model.parameters()}.values()
+    held = dict(model=sum(p.numel() for p in unique),
+                runner=sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in runner.parameters()),
+                whole=whole)
+    return dict(losses=losses, grads=grads, final=final, stages=runner.describe()["this process's stages"],
+                held=held, sizes=runner.describe()["parameters per stage"])
 
 
 def _named(runner, model, canonical):
@@ -99,6 +105,18 @@ def test_stages_with_fsdp_inside_train_as_one_device(dist, schedule, kind):
     batch's rows too; the gradients and parameters are compared whole."""
     results = dist(4).run(_train, schedule, kind, 8, 2, 2)
     _check(results, kind, 8, 2)
+    for r in results:  # the model's own parameters freed; the stage's held once, split in two
+        assert r["held"]["model"] == 0
+        assert r["held"]["runner"] < r["sizes"][r["stages"][0]] * 0.75, r["held"]
+
+
+def test_stages_traced_when_made_free_the_other_stages(dist):
+    """With example_inputs, the stages are traced when the runner is made, and each process
+    keeps only the parameters its stage uses (a tied embedding on both)."""
+    results = dist(2).run(_train, "1f1b", "tied", 8, 4, 1, True)
+    _check(results, "tied", 8, 2)
+    for r in results:
+        assert r["held"]["model"] == r["held"]["runner"] == r["sizes"][r["stages"][0]] < r["held"]["whole"]
 
 
 def _error(fn, *args):

@@ -191,16 +191,27 @@ class PipelineRunner:
         self._traces: dict = {}
         self._stages: dict = {}
         self._tracing = False
-        if self.fsdp is not None:  # the model's own parameters are replaced by the stages' shards
-            self._others = {id(p): p for _, p in _unique(model)}
-            micro = self._local_rows(example_inputs)[: example_inputs.shape[0] // self.microbatches // self.fsdp_size]
+        self._shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+        #: traced when made (example_inputs): every step has its shape, and what this process's
+        #: stages do not use is freed
+        self.fixed = example_inputs is not None
+        if self.fixed:
+            rows = example_inputs.shape[0]
+            if rows % (self.microbatches * self.fsdp_size):
+                raise SpmdError(f"pipeline(example_inputs=...): its {rows} rows do not split into "
+                                f"microbatches={self.microbatches}{self._over()}; give a batch of the steps' shape")
+            micro = self._local_rows(example_inputs)[: rows // self.microbatches // self.fsdp_size]
             stages = self._stages[self._shape_key(micro)] = self._trace(micro)
-            self._mine, seen = [], set()
-            for st in stages:
-                for n, p in st.submod.named_parameters(remove_duplicate=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        self._mine.append((n, p))
+            if self.fsdp is not None:  # the stages' shards replace the model's own parameters
+                self._others = {id(p): p for _, p in _unique(model)}
+                self._mine, seen = [], set()
+                for st in stages:
+                    for n, p in st.submod.named_parameters(remove_duplicate=False):
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            self._mine.append((n, p))
+            for p in self._others.values():  # other stages' parameters (all the model's with 'fsdp')
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         model.register_forward_pre_hook(self._direct_call)
         _RUNNERS.add(self)
         if _HOOK is None:
@@ -217,6 +228,9 @@ class PipelineRunner:
 
     def _shape_key(self, micro: torch.Tensor):
         return (tuple(micro.shape), micro.dtype, self.model.training)
+
+    def _over(self) -> str:
+        return f" x the 'fsdp' axis's {self.fsdp_size} processes" if self.fsdp is not None else ""
 
     def _local_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This process's rows of a global batch: its share along 'fsdp' (all of it without)."""
@@ -270,6 +284,13 @@ class PipelineRunner:
             if self.fsdp is not None:
                 self._shard(sub)
             stages.append(pipelining.build_stage(sub, k, pipe.info(), topology.device(), self.group))
+        # the trace's copies for other processes' stages (of a parameter two stages use): the
+        # stages keep the traced graph, and with it those copies
+        used = {id(p) for st in stages for p in st.submod.parameters()}
+        originals = {id(p) for _, p in _unique(self.model)}
+        for p in pipe.split_gm.parameters():
+            if id(p) not in used and id(p) not in originals:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         return stages
 
     def _shard(self, sub: nn.Module) -> None:
@@ -287,21 +308,21 @@ class PipelineRunner:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         rows = inputs.shape[0]
         if rows % (self.microbatches * self.fsdp_size):
-            over = f" x the 'fsdp' axis's {self.fsdp_size} processes" if self.fsdp is not None else ""
             raise SpmdError(f"pipeline.step(inputs=...): the batch's {rows} rows do not split into "
-                            f"microbatches={self.microbatches}{over}; give a batch whose rows are a multiple of "
-                            f"{self.microbatches * self.fsdp_size}")
+                            f"microbatches={self.microbatches}{self._over()}; give a batch whose rows are a multiple "
+                            f"of {self.microbatches * self.fsdp_size}")
         if targets.shape[0] != rows:
             raise SpmdError(f"pipeline.step(targets=...): {targets.shape[0]} rows, the inputs have {rows}")
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)
         micro = inputs[: inputs.shape[0] // self.microbatches]
         shape = self._shape_key(micro)
         if shape not in self._stages:
-            if self.fsdp is not None:
-                raise SpmdError(f"pipeline.step(inputs=...): micro-batches of shape {tuple(micro.shape)}, but the "
-                                f"stages were traced and sharded for {next(iter(self._stages))[0]} "
-                                f"(example_inputs); with 'fsdp' inside the stages every step has that shape: pad "
-                                f"the batch to it")
+            if self.fixed:
+                raise SpmdError(f"pipeline.step(inputs=...): micro-batches of shape {tuple(micro.shape)} (training "
+                                f"{self.model.training}), but the stages were traced for "
+                                f"{next(iter(self._stages))[0]} (example_inputs, training "
+                                f"{next(iter(self._stages))[2]}); every step has that shape and mode: pad the batch "
+                                f"to it")
             self._stages[shape] = self._trace(micro)
         key = (shape, loss_fn)
         if key not in self._traces:
@@ -345,7 +366,7 @@ class PipelineRunner:
 
     def _local_shape(self, name: str) -> torch.Size:
         """The shape of this process's part of the parameter ``name`` (FSDP2's dim-0 chunk)."""
-        full = torch.empty(self.model.get_parameter(name).shape, device="meta")
+        full = torch.empty(self._shapes[name], device="meta")
         if self.fsdp is None:
             return full.shape
         chunks = full.chunk(self.fsdp_size, dim=0)
