@@ -89,6 +89,7 @@ def _check(results, kind, rows, stages):
     ("1f1b", "plain", 2, 2),
     ("1f1b", "tied", 2, 2),
     ("interleaved-1f1b", "plain", 2, 4),
+    ("zero-bubble", "tied", 2, 4),
     ("1f1b", "tied", 4, 4),
     ("1f1b", "llama", 2, 2),
 ])

@@ -62,7 +62,8 @@ def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipelin
             the cuts are chosen the same way.
         microbatches: the number of micro-batches each global batch is split into (a divisor
             of its rows).
-        schedule: ``'gpipe'``, ``'1f1b'`` or ``'interleaved-1f1b'`` (two stages per process).
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved-1f1b'`` or ``'zero-bubble'`` (the
+            last two: two stages per process).
         example_inputs: one global batch's inputs, of the steps' shape: the stages are traced
             with it now rather than at the first step. Needed with an ``'fsdp'`` axis of more
             than one device, whose stages are sharded over it before the optimizer is built.

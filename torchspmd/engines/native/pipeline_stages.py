@@ -36,6 +36,7 @@ SCHEDULES = {
     "gpipe": ("ScheduleGPipe", 1),
     "1f1b": ("Schedule1F1B", 1),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
 }
 
 
