@@ -447,6 +447,30 @@ def test_an_optimizer_made_before_sharding_is_refused(dist, tmp_path):
     assert msg is not None and "optimizer_cls_and_kwargs" in msg
 
 
+def _split_model_given(out):
+    import numpy as np
+
+    import torchspmd as ts
+    from torchspmd.hf import Trainer as SpmdTrainer
+
+    model = _model()
+    layer = type(model.model.layers[0])
+    n = ts.global_runtime_device_count()
+    ts.pipeline(model, ts.Mesh(np.arange(n), (n,), ("pipeline",)), split=layer, microbatches=2)
+    try:
+        SpmdTrainer(model=model, args=_args(out, True, model), train_dataset=_token_rows(8, 1))
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_a_model_split_into_pipeline_stages_is_refused_with_what_to_use(dist, tmp_path):
+    """The Trainer runs each batch's forward and backward itself: a pipeline schedule cannot run
+    under it. The error, on every process, says what to use."""
+    msgs = dist(2).run(_split_model_given, str(tmp_path))
+    assert msgs[0] == msgs[1] and "split into pipeline stages" in msgs[0] and "runner.step" in msgs[0], msgs
+
+
 # -- label smoothing, short last batches (evaluation, prediction, an IterableDataset) ---------
 def _row_count_metrics(pred):
     """What compute_metrics sees: the rows and a sum over their labelled positions."""

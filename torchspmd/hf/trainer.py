@@ -76,6 +76,7 @@ from torchspmd.parallel import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
+from torchspmd.parallel.pipeline import is_split
 from torchspmd.patches import accelerate as accelerate_patches
 from torchspmd.patches import transformers as transformers_patches
 from torchspmd.runtime import global_runtime_device_count
@@ -296,6 +297,14 @@ class Trainer(_StockTrainer):
     carry the FSDPv2 config (``get_fsdp_training_args``); see the module's docstring."""
 
     def __init__(self, model=None, args=None, *pargs, **kwargs):
+        if model is not None and is_split(unwrap_peft(model)):
+            # The Trainer calls the model and the loss's backward itself, one batch at a time; the
+            # stages' schedule interleaves micro-batches over processes and must own both.
+            raise SpmdError("Trainer(model=...): the model is split into pipeline stages (torchspmd.pipeline); the "
+                            "Trainer runs each batch's forward and backward itself and cannot run a pipeline "
+                            "schedule. Train it with its runner in a loop of your own (runner.step(inputs, targets, "
+                            "loss_fn), then the optimizer's step), or give the Trainer the model unsplit (FSDPv2, "
+                            "get_fsdp_training_args)")
         config = self._spmd_config(args)
         self._spmd = config is not None
         if self._spmd:

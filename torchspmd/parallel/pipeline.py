@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from torchspmd import engines
-from torchspmd.engines.native.pipeline_stages import SCHEDULES
+from torchspmd.engines.native.pipeline_stages import SCHEDULES, is_split
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import Mesh, as_view, get_global_mesh
 
-__all__ = ["pipeline", "SCHEDULES"]
+__all__ = ["pipeline", "SCHEDULES", "is_split"]
 
 
 def _layer_names(model: nn.Module, split) -> list[str]:

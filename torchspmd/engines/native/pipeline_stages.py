@@ -29,7 +29,7 @@ from torchspmd.engines.native import device_mesh as device_meshes
 from torchspmd.engines.native import topology
 from torchspmd.errors import SpmdError
 
-__all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages"]
+__all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages", "is_split"]
 
 #: schedule name -> (torch.distributed.pipelining class, stages per process)
 SCHEDULES = {
@@ -120,6 +120,11 @@ def _pipelining():
 # Live runners, for the optimizer check (an optimizer over another stage's parameters).
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _HOOK = None
+
+
+def is_split(model: nn.Module) -> bool:
+    """Whether ``model`` was split into pipeline stages (it then runs through its runner)."""
+    return any(runner.model is model for runner in list(_RUNNERS))
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
