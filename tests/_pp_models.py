@@ -96,8 +96,14 @@ def batches(rows: int):
             for _ in range(STEPS)]
 
 
+def held_out(rows: int):
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+
+
 def oracle(kind: str, rows: int):
-    """One device: the losses, every step's gradients (after clipping) and the final parameters.
+    """One device: the losses, every step's gradients (after clipping), the final parameters
+    and the final model's loss on ``held_out(rows)``.
     ``kind``: 'plain', 'tied' or 'llama'."""
     model = build_llama() if kind == "llama" else build(kind == "tied")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -110,4 +116,7 @@ def oracle(kind: str, rows: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+    x, y = held_out(rows)
+    with torch.no_grad():
+        held = loss_fn(logits_of(model(x)), y).item()
+    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}, held

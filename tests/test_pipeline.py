@@ -48,11 +48,13 @@ def _train(schedule, kind, rows, microbatches, fsdp=1, fixed=False):
         opt.step()
         opt.zero_grad()
     final = {name: _full(p.detach()).clone() for name, p in _named(runner, model, canonical)}
+    held_out = runner.evaluate(*M.held_out(rows), M.loss_fn).item()
     unique = {id(p): p for p in model.parameters()}.values()
     held = dict(model=sum(p.numel() for p in unique),
                 runner=sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in runner.parameters()),
                 whole=whole)
     return dict(losses=losses, grads=grads, final=final, stages=runner.describe()["this process's stages"],
+                held_out=held_out,
                 held=held, sizes=runner.describe()["parameters per stage"])
 
 
@@ -69,10 +71,11 @@ def _oracle(kind, rows):
 
 
 def _check(results, kind, rows, stages):
-    ref_losses, ref_grads, ref_final = _oracle(kind, rows)
+    ref_losses, ref_grads, ref_final, ref_held_out = _oracle(kind, rows)
     held = set()
     for r in results:
         np.testing.assert_allclose(r["losses"], ref_losses, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(r["held_out"], ref_held_out, rtol=RTOL, atol=ATOL)  # runner.evaluate
         assert r["losses"] == results[0]["losses"]  # one program: the same loss on every process
         for step, (grads, want) in enumerate(zip(r["grads"], ref_grads), 1):
             for k, g in grads.items():
@@ -166,3 +169,71 @@ def test_errors_name_the_argument_on_every_process(dist):
     assert "build the optimizer after torchspmd.pipeline(...), from runner.parameters()" in got["optimizer"]
     assert "with 'fsdp' inside the stages, give one batch's inputs" in got["fsdp"]
     assert "the mesh's axes ['model'] have more than one device" in got["model"]
+
+
+# -- checkpoints: saved by the stages, loaded split another way or unsplit ---------------------
+def _resume_run(kind, fsdp, load_from, save_to):
+    """Train the tied model: 2 steps then save to ``save_to``, or load ``load_from`` (saved
+    after 2 steps) then the 3rd step. ``kind``: 'pipeline' (stages over n // fsdp processes,
+    'fsdp' inside) or 'fsdpv2' (FSDPv2 over every process). The 3rd step's loss and the
+    final parameters, whole."""
+    from torchspmd import checkpoint
+
+    n = ts.global_runtime_device_count()
+    model = M.build(True)
+    if kind == "pipeline":
+        mesh = ts.Mesh(np.arange(n), (n // fsdp, fsdp), ("pipeline", "fsdp"))
+        example = M.batches(8)[0][0] if fsdp > 1 else None
+        runner = ts.pipeline(model, mesh, split=M.Layer, microbatches=4, example_inputs=example)
+        target, params = runner, runner.named_parameters
+    else:
+        mesh = ts.Mesh(np.arange(n), (n,), ("fsdp",))
+        target = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=functools.partial(
+            ts.transformer_auto_wrap_policy, transformer_layer_cls={M.Layer}))
+        params = target.named_parameters
+    opt = torch.optim.AdamW(target.parameters(), lr=M.LR)
+    steps = M.batches(8)
+    if load_from:
+        checkpoint.load(load_from, target, opt)
+        steps = steps[2:]
+    else:
+        steps = steps[:2]
+    losses = []
+    for x, y in steps:
+        if kind == "pipeline":
+            losses.append(runner.step(x, y, M.loss_fn).item())
+            runner.clip_grad_norm_(M.MAX_NORM)
+        else:
+            spec = ts.ShardingSpec(mesh, ("fsdp", None))
+            loss = M.loss_fn(target(ts.shard_batch(x, spec)), ts.shard_batch(y, spec))
+            loss.backward()
+            ts.clip_grad_norm_(target, M.MAX_NORM)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    if save_to:
+        return str(checkpoint.save(save_to, 2, target, opt, {}, ""))
+    return dict(losses=losses, final={k: _full(p.detach()).clone() for k, p in params()})
+
+
+def _check_resumed(results):
+    ref_losses, _, ref_final, _ = _oracle("tied", 8)
+    held = set()
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses[2:], rtol=RTOL, atol=ATOL)
+        for k, p in r["final"].items():
+            torch.testing.assert_close(p, ref_final[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+        held |= set(r["final"])
+    assert held == set(ref_final)
+
+
+def test_a_checkpoint_of_the_stages_resumes_split_otherwise_or_unsplit(dist, tmp_path):
+    """Saved by 2 stages after 2 steps; resumed on 4 stages, on 2 stages x 'fsdp' 2, and by
+    FSDPv2 unsplit; and one saved by FSDPv2, resumed on 2 stages: the 3rd step is the
+    uninterrupted one-device run's (optimizer state included)."""
+    saved = dist(2).run(_resume_run, "pipeline", 1, None, str(tmp_path / "pp2"))[0]
+    _check_resumed(dist(4).run(_resume_run, "pipeline", 1, saved, None))
+    _check_resumed(dist(4).run(_resume_run, "pipeline", 2, saved, None))
+    _check_resumed(dist(2).run(_resume_run, "fsdpv2", 1, saved, None))
+    unsplit = dist(2).run(_resume_run, "fsdpv2", 1, None, str(tmp_path / "fsdp"))[0]
+    _check_resumed(dist(2).run(_resume_run, "pipeline", 1, unsplit, None))

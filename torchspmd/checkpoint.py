@@ -61,8 +61,8 @@ from torchspmd.checkpoint_files import (
 )
 from torchspmd.errors import SpmdError
 from torchspmd.optimizer_state import (
-    group_names,
     groups_differ,
+    whole_group_names,
     load_optim_state,
     optim_state,
     optim_targets,
@@ -324,24 +324,40 @@ def read_state(path: Path) -> dict:
         raise DamagedCheckpoint(f"checkpoint {path} is corrupt: state.pt cannot be read ({why(e)})") from None
 
 
-def model_differs(path: Path, meta, model_sd: dict) -> None:
+def model_differs(path: Path, meta, model_sd: dict, model=None) -> None:
     """Raise ``CheckpointMismatch`` naming the first weight the checkpoint and the model do
-    not share (either way) or do not agree on the shape of."""
+    not share (either way) or do not agree on the shape of. A ``model`` split over the
+    processes (pipeline stages: ``gather_keys``), each holding part of its state, is compared
+    as a whole, and every process raises the same error."""
+    gather = getattr(model, "gather_keys", None)
+    whole = gather(model_sd) if gather is not None else set(model_sd)
+    why_not = _model_mismatch(path, meta, model_sd, whole)
+    if gather is not None:  # every process decides alike: the first process's finding, else the next...
+        import torch.distributed as dist
+
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, why_not)
+        why_not = next((f for f in found if f is not None), None)
+    if why_not is not None:
+        raise CheckpointMismatch(why_not)
+
+
+def _model_mismatch(path: Path, meta, model_sd: dict, whole: set) -> str | None:
     there = {k[len("model."):] for k in meta.state_dict_metadata if k.startswith("model.")}
-    lacking = [k for k in model_sd if k not in there]
-    extra = sorted(there - set(model_sd))
+    lacking = [k for k in model_sd if k not in there] + sorted(whole - set(model_sd) - there)
+    extra = sorted(there - whole)
     more = lambda names: f" (and {len(names) - 1} more)" if len(names) > 1 else ""  # noqa: E731
     if lacking:
-        raise CheckpointMismatch(f"checkpoint {path}: it has no weights for {lacking[0]!r}{more(lacking)}; it was "
-                                 f"saved from another model")
+        return f"checkpoint {path}: it has no weights for {lacking[0]!r}{more(lacking)}; it was saved from another model"
     if extra:
-        raise CheckpointMismatch(f"checkpoint {path}: it has weights for {extra[0]!r}{more(extra)}, which this model "
-                                 f"does not have; it was saved from another model (one with more layers or modules)")
+        return (f"checkpoint {path}: it has weights for {extra[0]!r}{more(extra)}, which this model does not have; it "
+                f"was saved from another model (one with more layers or modules)")
     for key, value in model_sd.items():
         entry = meta.state_dict_metadata[f"model.{key}"]
         if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
-            raise CheckpointMismatch(f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and "
-                                     f"{tuple(value.shape)} in this model; it was saved from a model of another shape")
+            return (f"checkpoint {path}: {key!r} has shape {tuple(entry.size)} there and {tuple(value.shape)} in this "
+                    f"model; it was saved from a model of another shape")
+    return None
 
 
 def load(path: str | Path, model, optimizer) -> dict:
@@ -358,7 +374,7 @@ def load(path: str | Path, model, optimizer) -> dict:
     path = Path(path)
     meta = check(path)
     model_sd = model.state_dict()
-    model_differs(path, meta, model_sd)
+    model_differs(path, meta, model_sd, model)
     saved_kind, kind = read_meta(path).get("optimizer"), optimizer_kind(optimizer)
     if saved_kind is not None and saved_kind != kind:
         raise CheckpointMismatch(f"checkpoint {path} was saved with another optimizer: a {saved_kind}, and this one "
@@ -371,7 +387,7 @@ def load(path: str | Path, model, optimizer) -> dict:
         groups = pickle.loads(well_formed_pickle(optim_state(model, optimizer)["param_groups"]))
     else:  # the groups first (one small value): a mismatch stops before anything is loaded
         groups = read_groups(path)
-        differ = groups_differ(groups, group_names(model, optimizer))
+        differ = groups_differ(groups, whole_group_names(model, optimizer))
         if differ:
             raise CheckpointMismatch(f"checkpoint {path} was saved with another optimizer: {differ}; build the "
                                      f"optimizer with the parameter groups of the one that saved it")

@@ -38,13 +38,15 @@ def optim_state(model, optimizer) -> dict:
     """The optimizer's state keyed by parameter names (so that it can be resharded). The
     groups (hyper-parameters) are one pickled value: DCP's planner flattens containers
     into per-key entries and torch_xla's keeps those without tensors whole, so one value is
-    what both engines store alike."""
+    what both engines store alike. Of a model split over the processes (pipeline stages),
+    the groups name every process's parameters."""
     names = parameter_names(model)
     sd = optimizer.state_dict()
     ids = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     state = {ids[i]: v for i, v in sd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    whole = whole_group_names(model, optimizer)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": whole[i]}
+              for i, g in enumerate(sd["param_groups"])]
     return {"state": state, "param_groups": pickle.dumps(groups)}
 
 
@@ -65,6 +67,14 @@ _IMPLEMENTATION_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 def group_names(model, optimizer) -> list[list[str]]:
     names = parameter_names(model)
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def whole_group_names(model, optimizer) -> list[list[str]]:
+    """``group_names``; of a model split over the processes, each holding a part (a pipeline
+    runner: ``gather_group_names``), the groups' names over every process (a collective)."""
+    own = group_names(model, optimizer)
+    gather = getattr(model, "gather_group_names", None)
+    return gather(own) if gather is not None else own
 
 
 def groups_differ(saved: list[dict], own: list[list[str]]) -> str | None:
@@ -99,7 +109,7 @@ def load_optim_state(model, optimizer, named: dict) -> None:
     groups = named["param_groups"]
     if isinstance(groups, bytes):
         groups = pickle.loads(well_formed_pickle(groups))
-    differ = groups_differ(groups, own)
+    differ = groups_differ(groups, whole_group_names(model, optimizer))
     if differ:
         raise CheckpointMismatch(f"checkpoint: it was saved with another optimizer: {differ}")
     impl = [{k: g[k] for k in _IMPLEMENTATION_OPTIONS if k in g} for g in optimizer.param_groups]
@@ -117,7 +127,7 @@ def optimizer_kind(optimizer) -> str:
 def saved_optim_state(path: Path, meta, model, optimizer) -> dict[str, dict[str, Any]]:
     """The optimizer state the checkpoint holds: ``{parameter name: {entry: DCP metadata}}``
     (``optim.state.<name>.<entry>``). A parameter it holds none for is absent."""
-    own = {n for group in group_names(model, optimizer) for n in group}
+    own = {n for group in whole_group_names(model, optimizer) for n in group}
     saved: dict[str, dict[str, Any]] = {}
     for key, md in meta.state_dict_metadata.items():
         if not key.startswith("optim.state."):
@@ -147,6 +157,9 @@ def optim_targets(path: Path, saved: dict[str, dict[str, Any]], model, optimizer
     if not saved:
         return {}
     params = {name: p for name, p in model.named_parameters()}
+    saved = {name: entries for name, entries in saved.items() if name in params}  # (a split model: this part's)
+    if not saved:
+        return {}
     if not engines.current("checkpoint load").capabilities.checkpoint_in_place:
         def target(param, md):
             if not isinstance(md, TensorStorageMetadata):

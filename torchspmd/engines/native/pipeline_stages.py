@@ -179,12 +179,19 @@ class PipelineRunner:
         #: the stages this process runs (stage k on the process at position k % degree)
         self.stage_indices = [k for k in range(self.num_stages) if k % self.degree == self.position]
         mine = {n for k in self.stage_indices for n in self.plan.params[k]}
+        #: each parameter's name in the model (its first, as model.named_parameters() gives it)
+        self._canonical = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self._canonical.setdefault(id(p), n)
         self._mine = []
         seen = set()
         for n, p in model.named_parameters(remove_duplicate=False):
             if n in mine and id(p) not in seen:
                 seen.add(id(p))
-                self._mine.append((n, p))
+                self._mine.append((self._canonical[id(p)], p))
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        #: the model's persistent buffers: in every process's state_dict, as the model holds them
+        self._buffers = [k for k in model.state_dict() if k not in params]
         held_by = {}
         for k in range(self.num_stages):
             for n in self.plan.params[k]:
@@ -215,7 +222,7 @@ class PipelineRunner:
                     for n, p in st.submod.named_parameters(remove_duplicate=False):
                         if id(p) not in seen:
                             seen.add(id(p))
-                            self._mine.append((n, p))
+                            self._mine.append((self._canonical[id(model.get_parameter(n))], p))
             for p in self._others.values():  # other stages' parameters (all the model's with 'fsdp')
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         model.register_forward_pre_hook(self._direct_call)
@@ -230,7 +237,48 @@ class PipelineRunner:
         return iter([p for _, p in self._mine])
 
     def named_parameters(self):
+        """``(name, parameter)`` of ``parameters()``, each by its name in the model (its first
+        name: a tied embedding is the embedding's on every stage)."""
         return iter(list(self._mine))
+
+    # -- checkpoints: this process's part of the model's state ----------------------------------
+    def state_dict(self) -> dict:
+        """This process's part of ``model.state_dict()``: its stages' parameters under every
+        name the model gives them (with 'fsdp', DTensors of its shards), and the model's
+        persistent buffers. The processes' parts together have the model's keys: a checkpoint
+        saved from them loads into the model unsplit, or split another way."""
+        out = {n: self._held(n) for k in self.stage_indices for n in self.plan.params[k]}
+        whole = self.model.state_dict()
+        out.update({k: whole[k] for k in self._buffers})
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for k, target in self.state_dict().items():
+                if state[k] is not target:
+                    target.copy_(state[k])
+
+    def gather_keys(self, keys) -> set:
+        """The union of ``keys`` over every process (a collective)."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(keys))
+        return {k for part in everyone for k in part}
+
+    def gather_group_names(self, groups: list[list[str]]) -> list[list[str]]:
+        """An optimizer's parameter groups by name over every process (a collective): group
+        ``i`` holds the parameters every process's group ``i`` holds, each once."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, groups)
+        if len({len(g) for g in everyone}) != 1:
+            raise SpmdError(f"the processes' optimizers have {sorted({len(g) for g in everyone})} parameter groups: "
+                            f"build the same groups on every process")
+        merged = []
+        for i in range(len(groups)):
+            names: dict = {}
+            for part in everyone:
+                names.update(dict.fromkeys(part[i]))
+            merged.append(list(names))
+        return merged
 
     def _shape_key(self, micro: torch.Tensor):
         return (tuple(micro.shape), micro.dtype, self.model.training)
@@ -312,20 +360,33 @@ class PipelineRunner:
         fully_shard(sub, mesh=self.fsdp)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of the global batch over the micro-batches; the global loss."""
+        return self._run(inputs, targets, loss_fn, "step")
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """The global loss of a batch, forward only (no gradients), through the same stages
+        (traced in the model's training mode of their trace)."""
+        with torch.no_grad():
+            return self._run(inputs, targets, loss_fn, "eval")
+
+    def _run(self, inputs, targets, loss_fn, kind: str) -> torch.Tensor:
+        call = "step" if kind == "step" else "evaluate"
         rows = inputs.shape[0]
         if rows % (self.microbatches * self.fsdp_size):
-            raise SpmdError(f"pipeline.step(inputs=...): the batch's {rows} rows do not split into "
+            raise SpmdError(f"pipeline.{call}(inputs=...): the batch's {rows} rows do not split into "
                             f"microbatches={self.microbatches}{self._over()}; give a batch whose rows are a multiple "
                             f"of {self.microbatches * self.fsdp_size}")
         if targets.shape[0] != rows:
-            raise SpmdError(f"pipeline.step(targets=...): {targets.shape[0]} rows, the inputs have {rows}")
+            raise SpmdError(f"pipeline.{call}(targets=...): {targets.shape[0]} rows, the inputs have {rows}")
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)
         micro = inputs[: inputs.shape[0] // self.microbatches]
         shape = self._shape_key(micro)
+        if kind == "eval" and self.fixed:  # evaluated with the stages as traced, whatever the mode now
+            shape = (shape[0], shape[1], next(iter(self._stages))[2])
         if shape not in self._stages:
             if self.fixed:
-                raise SpmdError(f"pipeline.step(inputs=...): micro-batches of shape {tuple(micro.shape)} (training "
-                                f"{self.model.training}), but the stages were traced for "
+                raise SpmdError(f"pipeline.{call}(inputs=...): micro-batches of shape {tuple(micro.shape)} "
+                                f"(training {self.model.training}), but the stages were traced for "
                                 f"{next(iter(self._stages))[0]} (example_inputs, training "
                                 f"{next(iter(self._stages))[2]}); every step has that shape and mode: pad the batch "
                                 f"to it")
@@ -344,8 +405,11 @@ class PipelineRunner:
             args = ()
         if self.num_stages - 1 in self.stage_indices:
             kwargs = {"target": targets, "losses": losses}
-        schedule.step(*args, **kwargs)
-        self._sum_shared_grads()
+        if kind == "step":
+            schedule.step(*args, **kwargs)
+            self._sum_shared_grads()
+        else:
+            schedule.eval(*args, **kwargs)
         loss = (torch.stack([l.detach().float() for l in losses]).mean() if losses
                 else torch.zeros((), device=topology.device()))
         if self.fsdp is not None and losses:  # the last stage's processes: the mean of their rows' losses
