@@ -78,6 +78,15 @@ class MeshConfig:
                        "tensor-parallel plan; the seed decoder's MLP, embedding and LM head); the rest is 'fsdp'")
     backend: str = _f("", "'cuda', 'cpu' or 'xla'; empty: xla when PJRT_DEVICE is set and torch_xla is "
                           "installed, else cuda when available, else cpu")
+    pipeline: int = _f(1, "size of the 'pipeline' axis: the model cut into that many stages between decoder "
+                          "layers (torchspmd.pipeline), FSDPv2 over 'fsdp' inside each; 1 for none")
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = _f("1f1b", "with mesh.pipeline > 1: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zero-bubble'")
+    microbatches: int = _f(0, "micro-batches each step's batch is split into for the stages; 0: the fewest that "
+                              "keep the schedule's idle share (bubble) at most 25%, printed at start")
 
 
 @dataclass
@@ -115,6 +124,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -143,7 +153,7 @@ def _toml_value(v: Any) -> str:
 
 
 SECTIONS = {f.name: f.type for f in fields(TrainConfig) if f.name in
-            ("model", "data", "optim", "mesh", "precision", "checkpoint", "logging")}
+            ("model", "data", "optim", "mesh", "pipeline", "precision", "checkpoint", "logging")}
 
 # Named presets: overrides of the defaults (which are `tiny`).
 PRESETS: dict[str, dict] = {
@@ -386,6 +396,8 @@ _RANGES = [
     ("optim.batch_size", 1, None, "sequences per step"), ("optim.grad_accum", 1, None, "micro-batches per step"),
     ("optim.max_bad_steps", 1, None, "non-finite steps tolerated"),
     ("mesh.data", 1, None, "the 'data' axis size"), ("mesh.model", 1, None, "the 'model' axis size, 1 for none"),
+    ("mesh.pipeline", 1, None, "the 'pipeline' axis size, 1 for none"),
+    ("pipeline.microbatches", 0, None, "micro-batches per batch, 0 for the automatic number"),
     ("checkpoint.every", 1, None, "steps between checkpoints"), ("checkpoint.keep", 0, None, "checkpoints kept, 0 for all"),
     ("logging.every", 1, None, "steps between log lines"), ("logging.eval_every", 1, None, "steps between evaluations"),
     ("logging.eval_batches", 1, None, "batches per evaluation"),
@@ -461,6 +473,7 @@ def validate(cfg: TrainConfig) -> None:
     if d.tokenizer != "byte" and not Path(d.tokenizer).exists():
         raise SpmdError(f"data.tokenizer = {d.tokenizer!r}: no such file or directory; give 'byte' or a local "
                         f"tokenizer.json / transformers tokenizer directory")
+    _check_pipeline(cfg)
     r = cfg.checkpoint.resume
     if r not in ("auto", "none") and not Path(r).is_dir():
         what = "a file, not a checkpoint directory" if Path(r).exists() else "no such checkpoint directory"
@@ -536,6 +549,63 @@ def preflight(cfg: TrainConfig) -> None:
         tdata.check_corpus(len(tokens), cfg.data, cfg.optim)
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def _check_pipeline(cfg: TrainConfig) -> None:
+    """The pipeline settings alone: a known schedule; with stages, none of the settings that
+    do not combine with them yet."""
+    if cfg.pipeline.schedule not in PIPELINE_SCHEDULES:
+        raise SpmdError(f"pipeline.schedule = {cfg.pipeline.schedule!r}: choose one of "
+                        f"{', '.join(PIPELINE_SCHEDULES)}" + did_you_mean(cfg.pipeline.schedule, PIPELINE_SCHEDULES))
+    if cfg.mesh.pipeline == 1:
+        return
+    refused = [(cfg.mesh.model > 1, "mesh.model", cfg.mesh.model, "the 'model' axis inside a stage"),
+               (cfg.mesh.data > 1, "mesh.data", cfg.mesh.data, "a 'data' axis beside the stages"),
+               (cfg.precision.dtype != "fp32", "precision.dtype", cfg.precision.dtype, "bf16 stages"),
+               (cfg.precision.checkpointing, "precision.checkpointing", True, "activation checkpointing in a stage"),
+               (cfg.compile, "compile", True, "compiled stages"),
+               (cfg.model.meta_init, "model.meta_init", True, "stages of a model built on meta")]
+    for bad, name, value, what in refused:
+        if bad:
+            raise SpmdError(f"{name} = {_toml_value(value)} with mesh.pipeline = {cfg.mesh.pipeline}: {what} is not "
+                            f"available yet; leave {name} at its default, or set mesh.pipeline = 1")
+
+
+def pipeline_microbatches(cfg: TrainConfig, world: int) -> tuple[int, float]:
+    """With ``mesh.pipeline`` stages: the micro-batches each micro-step's batch is split into
+    (``pipeline.microbatches``, else the fewest that keep the schedule's bubble at most 25%
+    among those the batch and the schedule allow) and that bubble, ``(p - 1) / (v m + p - 1)``
+    for ``p`` processes along the axis, ``v`` stages each, ``m`` micro-batches."""
+    p = cfg.mesh.pipeline
+    v = 2 if cfg.pipeline.schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    rows = cfg.optim.batch_size // cfg.optim.grad_accum // (world // p)  # one process's rows per micro-step
+
+    def allowed(m: int) -> bool:
+        return rows % m == 0 and (cfg.pipeline.schedule != "1f1b" or m >= p) and (v == 1 or m % p == 0)
+
+    def bubble(m: int) -> float:
+        return (p - 1) / (v * m + p - 1)
+
+    need = {"1f1b": f"at least {p} (one per stage)", "gpipe": "any number"}.get(
+        cfg.pipeline.schedule, f"a multiple of {p}")
+    if cfg.pipeline.microbatches:
+        m = cfg.pipeline.microbatches
+        if not allowed(m):
+            raise SpmdError(f"pipeline.microbatches = {m}: each process's {rows} rows per micro-step (optim.batch_size"
+                            f" / optim.grad_accum / the {world // p} 'fsdp' processes of a stage) must split into it, "
+                            f"and the {cfg.pipeline.schedule} schedule needs {need}; choose one of "
+                            f"{', '.join(str(k) for k in range(1, rows + 1) if allowed(k)) or 'none (raise optim.batch_size)'}")
+        return m, bubble(m)
+    fits = [m for m in range(1, rows + 1) if allowed(m)]
+    if not fits:
+        raise SpmdError(f"mesh.pipeline = {p}: each process's {rows} rows per micro-step cannot be split into "
+                        f"micro-batches the {cfg.pipeline.schedule} schedule takes ({need}); raise optim.batch_size "
+                        f"or lower optim.grad_accum")
+    m = next((m for m in fits if bubble(m) <= 0.25), fits[-1])
+    return m, bubble(m)
+
+
 def mesh_checks(cfg: TrainConfig, world: int) -> None:
     """``mesh.data`` x ``mesh.model`` against the device count, the micro-batch against the
     data-parallel devices."""
@@ -549,10 +619,15 @@ def mesh_checks(cfg: TrainConfig, world: int) -> None:
         raise SpmdError(f"mesh.model = {cfg.mesh.model} does not divide the {world // cfg.mesh.data} devices left "
                         f"by mesh.data = {cfg.mesh.data}; choose one of {', '.join(map(str, fits))} "
                         f"(1: no tensor parallelism)")
-    dp = world // cfg.mesh.model
+    if world % cfg.mesh.pipeline:
+        raise SpmdError(f"mesh.pipeline = {cfg.mesh.pipeline} does not divide the {world} devices; choose one of "
+                        f"{', '.join(map(str, divisors))} (1: no stages)")
+    dp = world // (cfg.mesh.model * cfg.mesh.pipeline)
     if micro % dp:
         raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
                         f"divisible by the {dp} data-parallel devices; use a multiple of {dp}")
+    if cfg.mesh.pipeline > 1:
+        pipeline_microbatches(cfg, world)
 
 
 def _check_pretrained(cfg: TrainConfig, tokenizer) -> None:

@@ -29,12 +29,13 @@ from torchspmd.parallel import (
     FSDPv2,
     checkpoint_module,
     clip_grad_norm_,
+    pipeline,
     transformer_auto_wrap_policy,
 )
 from torchspmd.sharding import ShardingSpec, mark_sharding
 from torchspmd.train import data as tdata
 from torchspmd.train import plan
-from torchspmd.train.config import TrainConfig, device_count, mesh_checks
+from torchspmd.train.config import TrainConfig, device_count, mesh_checks, pipeline_microbatches
 from torchspmd.train.models import (
     build_model,
     import_model_code,
@@ -152,6 +153,12 @@ def _evaluate(model, batches, vocab: int) -> float:
     return total / max(n, 1)
 
 
+def _evaluate_stages(job, batches) -> float:
+    loss_fn = functools.partial(_scaled_loss, vocab=job.vocab, accum=1)
+    losses = [job.runner.evaluate(_whole(x), _whole(y), loss_fn).item() for x, y in batches]
+    return sum(losses) / max(len(losses), 1)
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, tokens: int, seq_len: int, rows: int, seed: int = 0) -> str:
     """Sample text (top-k 10, temperature 0.8); every process draws the same tokens."""
@@ -221,8 +228,9 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     import sys
 
 
-    if cfg.mesh.model > 1:
-        print("plan: no memory prediction (the planner does not model a 'model' axis)")
+    if cfg.mesh.model > 1 or cfg.mesh.pipeline > 1:
+        axis = "model" if cfg.mesh.model > 1 else "pipeline"
+        print(f"plan: no memory prediction (the planner does not model a '{axis}' axis)")
         return
     try:
         facts = plan.config_facts(cfg)
@@ -346,6 +354,15 @@ def _explain_one_step(model, opt, train_iter, vocab: int, cfg: TrainConfig) -> d
     return {"explanation": result}
 
 
+def _scaled_loss(logits, targets, vocab: int, accum: int):
+    return F.cross_entropy(logits_of(logits).reshape(-1, vocab), targets.reshape(-1)) / accum
+
+
+def _whole(t):
+    """A batch the loader gave: with stages, every process takes the whole global batch."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 @dataclasses.dataclass
 class _Job:
     """What the steps of a run share."""
@@ -362,6 +379,13 @@ class _Job:
     mesh: Any = None
     step: int = 0
     resumed: dict | None = None  # the rest of the checkpoint's state, when resumed
+    runner: Any = None  # with mesh.pipeline > 1: the stages' runner (job.model is it too)
+    n_params: int = 0  # the model's parameters, whole
+
+    def loss_fn(self):
+        """A micro-step's loss of logits and targets: its mean / optim.grad_accum."""
+        vocab, accum = self.vocab, self.cfg.optim.grad_accum
+        return functools.partial(_scaled_loss, vocab=vocab, accum=accum)
 
     @property
     def micro(self) -> int:
@@ -372,6 +396,9 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     """Train as ``cfg`` says (``torchspmd train``): start the engine, build the model and its
     data, shard it over the mesh, resume from a checkpoint, train, sample. With ``explain``,
     stop after one step's layouts and collectives (``torchspmd explain``)."""
+    if explain and cfg.mesh.pipeline > 1:
+        raise SpmdError(f"torchspmd explain with mesh.pipeline = {cfg.mesh.pipeline}: the explanation of pipeline "
+                        f"stages is not available yet; explain the job with mesh.pipeline = 1")
     job = _start(cfg)
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     train_ds, eval_ds = _build(job, tokenizer)
@@ -439,7 +466,10 @@ def _mesh(job: _Job) -> Mesh:
     if job.rank == 0:
         _announce_plan(cfg, world)
     tp = cfg.mesh.model
-    if tp > 1:
+    if cfg.mesh.pipeline > 1:
+        p = cfg.mesh.pipeline
+        mesh = Mesh(np.arange(world), (p, world // p), ("pipeline", "fsdp"))
+    elif tp > 1:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // (cfg.mesh.data * tp), tp), ("data", "fsdp", "model"))
     else:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
@@ -453,6 +483,10 @@ def _parallelize(job: _Job) -> None:
     is materialised (before wrapping with lazy tensors, else shard by shard after) or gets its
     pretrained weights."""
     cfg, model, info = job.cfg, job.model, job.info
+    job.n_params = sum(p.numel() for p in model.parameters())
+    if cfg.mesh.pipeline > 1:
+        _split_into_stages(job)
+        return
     lazy = runtime.capabilities().lazy_tensors
     tp = cfg.mesh.model
     if tp > 1:
@@ -479,6 +513,28 @@ def _parallelize(job: _Job) -> None:
         _materialize(model, info["kind"], cfg.seed, job.rank // tp)
     if cfg.model.meta_init and cfg.model.pretrained and not lazy:
         load_pretrained(model, cfg.model.pretrained, runtime.device())
+
+
+def _split_into_stages(job: _Job) -> None:
+    """``mesh.pipeline`` stages cut between the decoder layers, FSDP over 'fsdp' inside each
+    (torchspmd.pipeline), traced with a micro-step's batch shape; the model's parameters
+    other stages hold are freed."""
+    cfg = job.cfg
+    layers = layer_classes(job.model)
+    if len(layers) != 1:
+        raise SpmdError(f"mesh.pipeline = {cfg.mesh.pipeline}: the model has {len(layers)} kinds of layers "
+                        f"({', '.join(sorted(c.__name__ for c in layers))}); stages are cut between layers of one")
+    micro, bubble = pipeline_microbatches(cfg, job.world)
+    rows = cfg.optim.batch_size // cfg.optim.grad_accum
+    example = torch.zeros((rows, cfg.data.seq_len), dtype=torch.long, device=runtime.device())
+    job.runner = job.model = pipeline(job.model, job.mesh, split=next(iter(layers)), microbatches=micro,
+                                      schedule=cfg.pipeline.schedule, example_inputs=example)
+    if job.rank == 0:
+        d = job.runner.describe()
+        print(f"pipeline: {cfg.mesh.pipeline} processes, {d['stages']} stages cut before {', '.join(d['stage starts'])}"
+              f" ({', '.join(f'{n / 1e6:.2f}M' for n in d['parameters per stage'])} parameters), "
+              f"{cfg.pipeline.schedule}, {micro} micro-batches per micro-step: idle share (bubble) {bubble:.0%} by the "
+              f"schedule's formula")
 
 
 def _optimizer(job: _Job) -> None:
@@ -550,7 +606,8 @@ def _loaders(job: _Job, train_ds, eval_ds, explain: bool) -> tuple:
     """The training batches (from the step the job starts at) and the held-out ones, split over
     ('data', 'fsdp')."""
     cfg, micro = job.cfg, job.micro
-    spec = ShardingSpec(job.mesh, (("data", "fsdp"), None))
+    # stages take the global batch on every process (the runner splits it); else split over ('data', 'fsdp')
+    spec = ShardingSpec(job.mesh, (None, None) if job.runner is not None else (("data", "fsdp"), None))
     sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=job.step * cfg.optim.grad_accum)
     train_iter = iter(MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), runtime.device(),
                                      input_sharding=spec))
@@ -575,6 +632,8 @@ def _train_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, floa
     with runtime.step():
         # Each micro-batch's mean loss / grad_accum: the gradients sum to those of the global batch's mean.
         loss_sum = 0.0
+        if job.runner is not None:
+            return _stages_step(job, train_iter, nan_steps)
         for _ in range(cfg.optim.grad_accum):
             x, y = next(train_iter)
             logits = logits_of(job.model(x))
@@ -594,6 +653,29 @@ def _train_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, floa
     return loss_sum, grad_norm, finite
 
 
+def _stages_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, float, bool]:
+    """``_train_step`` through the pipeline stages: each micro-step's global batch through the
+    runner (forward and backward), the gradients clipped over every stage."""
+    cfg, runner = job.cfg, job.runner
+    loss_fn = job.loss_fn()
+    loss_sum = 0.0
+    for _ in range(cfg.optim.grad_accum):
+        x, y = next(train_iter)
+        loss = runner.step(_whole(x), _whole(y), loss_fn)
+        if job.step + 1 in nan_steps:  # tests: a bad batch (on every stage: the loss is the last's)
+            loss = loss * float("nan")
+        loss_sum += loss.item()
+    grad_norm = float(runner.clip_grad_norm_(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
+    finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+    if finite:
+        job.opt.step()
+        job.sched.step()
+    elif job.rank == 0:
+        print(f"step {job.step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
+    job.opt.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, finite
+
+
 def _save(job: _Job) -> None:
     state = {"step": job.step, "scheduler": job.sched.state_dict(), "rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state() if runtime.backend() == "cuda" else None,
@@ -609,7 +691,7 @@ def _train(job: _Job, train_iter, eval_batches) -> dict:
     metrics = _Metrics(job.out, cfg.logging.tensorboard, job.step, rank)
     peak = _peak_flops()
     tokens_per_step = cfg.optim.batch_size * cfg.data.seq_len
-    n_params = sum(p.numel() for p in job.model.parameters())
+    n_params = job.n_params
     progress = _Progress(cfg, job.step, n_params, job.world) if rank == 0 else None
     bad = 0
     nan_steps = faults.nan_steps()
@@ -630,7 +712,8 @@ def _train(job: _Job, train_iter, eval_batches) -> dict:
                    "memory_gb": _memory_gb(), "skipped": int(not finite)}
             last = job.step == cfg.optim.max_steps
             if eval_batches and (job.step % cfg.logging.eval_every == 0 or last):
-                eval_loss = row["eval_loss"] = _evaluate(job.model, eval_batches, job.vocab)
+                eval_loss = row["eval_loss"] = (_evaluate_stages(job, eval_batches) if job.runner is not None
+                                                else _evaluate(job.model, eval_batches, job.vocab))
             if job.step % cfg.logging.every == 0 or "eval_loss" in row or last or not finite:
                 metrics.write(row)  # a skipped step always gets its row
             if progress:
@@ -661,7 +744,11 @@ def _train(job: _Job, train_iter, eval_batches) -> dict:
 def _finish(job: _Job, tokenizer) -> str:
     """A sample of generated text (``logging.sample_tokens``) and where the results are."""
     cfg, text = job.cfg, ""
-    if cfg.logging.sample_tokens > 0:
+    if cfg.logging.sample_tokens > 0 and job.runner is not None:
+        if job.rank == 0:
+            print("no sample: generating through pipeline stages is not available yet (the checkpoints hold the "
+                  "model: torchspmd generate samples from them)")
+    elif cfg.logging.sample_tokens > 0:
         text = sample(job.model, tokenizer, cfg.logging.prompt, cfg.logging.sample_tokens, cfg.data.seq_len,
                       job.world)
         if job.rank == 0:

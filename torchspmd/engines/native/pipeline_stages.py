@@ -15,6 +15,7 @@ A trace is made per micro-batch shape and training mode, and kept.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -311,8 +312,12 @@ class PipelineRunner:
         pipelining = _pipelining()
         self._tracing = True
         try:
-            pipe = pipelining.pipeline(self.model, mb_args=(micro,),
-                                       split_spec={name: pipelining.SplitPoint.BEGINNING for name in self.plan.starts})
+            with warnings.catch_warnings():
+                # torch.export's own use of a deprecated pytree check on this torch: not the program's
+                warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                        category=FutureWarning)
+                pipe = pipelining.pipeline(self.model, mb_args=(micro,), split_spec={
+                    name: pipelining.SplitPoint.BEGINNING for name in self.plan.starts})
         finally:
             self._tracing = False
         if pipe.num_stages != self.num_stages:
