@@ -103,12 +103,15 @@ def test_stages_train_as_one_device(dist, schedule, kind, world, stages):
     _check(results, kind, rows, stages)
 
 
-@pytest.mark.parametrize("schedule, kind", [("1f1b", "tied"), ("gpipe", "llama")])
-def test_stages_with_fsdp_inside_train_as_one_device(dist, schedule, kind):
-    """('pipeline', 'fsdp') = (2, 2): each stage's parameters split over its two processes, the
-    batch's rows too; the gradients and parameters are compared whole."""
-    results = dist(4).run(_train, schedule, kind, 8, 2, 2)
-    _check(results, kind, 8, 2)
+@pytest.mark.parametrize("schedule, kind, world", [("1f1b", "tied", 4), ("gpipe", "llama", 4), ("1f1b", "tied", 8)])
+def test_stages_with_fsdp_inside_train_as_one_device(dist, schedule, kind, world):
+    """('pipeline', 'fsdp') = (world / 2, 2): each stage's parameters split over its two
+    processes, the batch's rows too; the gradients and parameters are compared whole. At 8
+    processes: 4 stages of 5 layers, the tied embedding on the first and the last."""
+    stages = world // 2
+    rows, micro = 4 * stages, stages  # (1f1b: a micro-batch per stage at least; 4 rows each, 2 per process)
+    results = dist(world).run(_train, schedule, kind, rows, micro, 2)
+    _check(results, kind, rows, stages)
     for r in results:  # the model's own parameters freed; the stage's held once, split in two
         assert r["held"]["model"] == 0
         assert r["held"]["runner"] < r["sizes"][r["stages"][0]] * 0.75, r["held"]
