@@ -240,3 +240,26 @@ def test_a_checkpoint_of_the_stages_resumes_split_otherwise_or_unsplit(dist, tmp
     _check_resumed(dist(2).run(_resume_run, "fsdpv2", 1, saved, None))
     unsplit = dist(2).run(_resume_run, "fsdpv2", 1, None, str(tmp_path / "fsdp"))[0]
     _check_resumed(dist(2).run(_resume_run, "pipeline", 1, unsplit, None))
+
+
+def _explained(schedule):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("pipeline",))
+    runner = ts.pipeline(M.build(True), mesh, split=M.Layer, microbatches=4, schedule=schedule)
+    runner.step(*M.batches(8)[0], M.loss_fn)
+    return runner.explain()
+
+
+def test_explain_shows_the_stages_the_schedule_and_the_sends(dist):
+    text = same_on_every_rank(dist(2).run(_explained, "1f1b"))
+    assert "2 process positions, 2 stages, schedule 1f1b, 4 micro-batches per step" in text
+    assert "stage 0 on process(es) [0]: embed, pos, layers.0 .. layers.1 (2 layers)" in text
+    assert "stage 1 on process(es) [1]: layers.2 .. layers.4 (3 layers), norm, lm_head" in text
+    # 1F1B: the first stage runs one forward ahead (2 stages), then alternates; the last alternates
+    assert "position 0: F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3" in text
+    assert "position 1: F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3" in text
+    rows = 8 // 4
+    assert (f"4 activation sends forward and as many gradient sends backward; per micro-batch 0->1: "
+            f"{rows}x{M.SEQ}x{M.DIM} ({rows * M.SEQ * M.DIM * 4:,} bytes)") in text
+    zb = same_on_every_rank(dist(2).run(_explained, "zero-bubble"))
+    assert "4 stages" in zb and "W0.0" in zb and "3 stage boundaries x 4 micro-batches = 12" in zb

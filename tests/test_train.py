@@ -236,6 +236,10 @@ def test_pipeline_stages_train_as_the_job_without_and_resume_across_stage_counts
             return [float(row["eval_loss"]) for row in csv.DictReader(f) if row["eval_loss"]]
 
     assert evals(stages) == pytest.approx(evals(plain), rel=1e-5) and len(evals(plain)) == 2
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "explain", "--out-dir", str(tmp_path / "explain"),
+                        "--mesh.devices", "2", "--mesh.pipeline", "2", "--optim.warmup_steps", "1", *SMALL],
+                       capture_output=True, text=True, env=clean_env(), timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and "stage 1 on process(es) [1]: model.layers.1, model.norm, lm_head" in r.stdout, r.stderr
     for source, out, args, devices in ((stages, tmp_path / "unsplit", (), 2),
                                        (plain, tmp_path / "split", ("--mesh.pipeline", "2"), 4)):
         r = train(out, *run, *args, "--checkpoint.resume", str(source / "checkpoints" / "step-00000002"),

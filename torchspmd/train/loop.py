@@ -363,6 +363,17 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _explain_stages(job, train_iter) -> dict:
+    """``torchspmd explain`` of a job with pipeline stages: one training step, then the
+    stages, the modules each holds, each process's schedule and the sends of a step, printed
+    by rank 0; nothing is saved."""
+    _stages_step(job, train_iter, set())
+    text = job.runner.explain()
+    if job.rank == 0:
+        print(text, flush=True)
+    return {"explanation": text}
+
+
 @dataclasses.dataclass
 class _Job:
     """What the steps of a run share."""
@@ -396,9 +407,6 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     """Train as ``cfg`` says (``torchspmd train``): start the engine, build the model and its
     data, shard it over the mesh, resume from a checkpoint, train, sample. With ``explain``,
     stop after one step's layouts and collectives (``torchspmd explain``)."""
-    if explain and cfg.mesh.pipeline > 1:
-        raise SpmdError(f"torchspmd explain with mesh.pipeline = {cfg.mesh.pipeline}: the explanation of pipeline "
-                        f"stages is not available yet; explain the job with mesh.pipeline = 1")
     job = _start(cfg)
     tokenizer = tdata.make_tokenizer(cfg.data.tokenizer)
     train_ds, eval_ds = _build(job, tokenizer)
@@ -411,6 +419,8 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
         torch.set_rng_state(job.resumed["rng"])
         if job.resumed.get("cuda_rng") is not None and runtime.backend() == "cuda":
             torch.cuda.set_rng_state(job.resumed["cuda_rng"])
+    if explain and job.runner is not None:
+        return _explain_stages(job, train_iter)
     if explain:
         return _explain_one_step(job.model, job.opt, train_iter, job.vocab, cfg)
     result = _train(job, train_iter, eval_batches)

@@ -14,12 +14,14 @@ A trace is made per micro-batch shape and training mode, and kept.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -208,6 +210,8 @@ class PipelineRunner:
         self._shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
         #: traced when made (example_inputs): every step has its shape, and what this process's
         #: stages do not use is freed
+        self._sent: dict = {}  # stage -> (shape, bytes) of one micro-batch's output, as first computed
+        self._mesh = mesh
         self.fixed = example_inputs is not None
         if self.fixed:
             rows = example_inputs.shape[0]
@@ -340,6 +344,7 @@ class PipelineRunner:
                 if getattr(parent, leaf) is not original:
                     parent.register_parameter(leaf, original)  # the model's own parameter
             sub.train(self.model.training)
+            sub.register_forward_hook(functools.partial(self._record_output, k))
             if self.fsdp is not None:
                 self._shard(sub)
             stages.append(pipelining.build_stage(sub, k, pipe.info(), topology.device(), self.group))
@@ -489,10 +494,103 @@ class PipelineRunner:
                 _local(p.grad).detach().mul_(coef.to(p.grad.dtype))
         return total
 
+    def _record_output(self, stage: int, module, args, output) -> None:
+        if stage not in self._sent:
+            tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
+                       if isinstance(t, torch.Tensor)]
+            self._sent[stage] = ([tuple(t.shape) for t in tensors], sum(t.numel() * t.element_size() for t in tensors))
+
+    def _order(self, position: int) -> list[str] | None:
+        """The process's actions in one step: ``F<stage>.<micro-batch>`` forward, ``B...``
+        backward (``W...``: the weights' part of a split backward), ``-`` idle; gpipe and 1f1b
+        as those schedules run them, the others by torch's schedule's own order."""
+        m, p = self.microbatches, self.degree
+        if self.schedule_name == "gpipe":
+            k = position
+            return [f"F{k}.{i}" for i in range(m)] + [f"B{k}.{i}" for i in range(m)]
+        if self.schedule_name == "1f1b":
+            k, warm = position, min(m, p - 1 - position)
+            out = [f"F{k}.{i}" for i in range(warm)]
+            f = warm
+            for b in range(m):
+                if f < m:
+                    out.append(f"F{k}.{f}")
+                    f += 1
+                out.append(f"B{k}.{b}")
+            return out
+        schedule = next(iter(self._traces.values()), None)
+        order = getattr(schedule, "pipeline_order", None)
+        if order is None:
+            return None
+
+        def text(a) -> str:
+            if a is None:
+                return "-"
+            kind = {"F": "F", "B": "B", "I": "B", "W": "W", "FULL_BACKWARD": "B",
+                    "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}.get(getattr(a.computation_type, "value", ""), "?")
+            if kind == "?":
+                kind = str(a.computation_type)
+            return f"{kind}{a.stage_index}.{a.microbatch_index}"
+
+        return [text(a) for a in order.get(position, [])]
+
+    def explain(self) -> str:
+        """The stages, which modules each holds, each process's schedule for one step and the
+        point-to-point sends of a step (their sizes once a step has run). Every process calls
+        it (it gathers what each process's stages sent)."""
+        logical = self._mesh.get_logical_mesh()
+        along = list(self._mesh.axis_names).index(self.axis)
+        lines = [f"pipeline over '{self.axis}': {self.degree} process positions, {self.num_stages} stages, schedule "
+                 f"{self.schedule_name}, {self.microbatches} micro-batches per step"
+                 + (f", 'fsdp' x {self.fsdp_size} inside each stage" if self.fsdp is not None else "")]
+        for k in range(self.num_stages):
+            procs = sorted(int(d) for d in np.take(logical, k % self.degree, axis=along).reshape(-1))
+            lines.append(f"  stage {k} on process(es) {procs}: {_modules_text(self.plan.params[k], self.layers)}; "
+                         f"{self.plan.sizes[k]:,} parameters")
+        lines.append("schedule per position (F/B/W<stage>.<micro-batch>: forward, backward, weight gradients; "
+                     "-: waiting):")
+        for pos in range(self.degree):
+            order = self._order(pos)
+            lines.append(f"  position {pos}: " + (" ".join(order) if order is not None
+                                                  else "(this torch's schedule does not list its order)"))
+        boundaries = self.num_stages - 1
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self._sent)  # (each process saw its own stages' outputs)
+        seen = {k: v for part in everyone for k, v in part.items()}
+        sent = [seen.get(k) for k in range(boundaries)]
+        size = ("" if any(x is None for x in sent) else "; per micro-batch " + ", ".join(
+            f"{k}->{k + 1}: {' + '.join('x'.join(map(str, sh)) for sh in x[0])} ({x[1]:,} bytes)"
+            for k, x in enumerate(sent)))
+        lines.append(f"point-to-point per step: {boundaries} stage boundar{'y' if boundaries == 1 else 'ies'} x "
+                     f"{self.microbatches} micro-batches = "
+                     f"{boundaries * self.microbatches} activation sends forward and as many gradient sends backward"
+                     + (f", within each 'fsdp' column of {self.fsdp_size}" if self.fsdp is not None else "") + size)
+        return "\n".join(lines)
+
     def describe(self) -> dict:
         return {"axis": self.axis, "processes": self.degree, "stages": self.num_stages, "schedule": self.schedule_name,
                 "microbatches": self.microbatches, "stage starts": list(self.plan.starts),
                 "parameters per stage": list(self.plan.sizes), "this process's stages": self.stage_indices}
+
+
+def _modules_text(names: tuple[str, ...], layers: list[str]) -> str:
+    """A stage's modules from its parameters' names: its layers as a range, the others by name."""
+    held = [layer for layer in layers if any(n.startswith(layer + ".") for n in names)]
+    others = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names if not any(n.startswith(x + ".") for x in held)))
+    parts = ([held[0] if len(held) == 1 else f"{held[0]} .. {held[-1]} ({len(held)} layers)"] if held else [])
+    return ", ".join(_ordered(names, held, others, parts))
+
+
+def _ordered(names, held, others, parts) -> list[str]:
+    """The stage's modules in the order its parameters come: the modules before its layers,
+    the layers, the modules after."""
+    if not held:
+        return others
+    first_layer = min(i for i, n in enumerate(names) if any(n.startswith(x + ".") for x in held))
+    position = {o: min(i for i, n in enumerate(names) if n.rsplit(".", 1)[0] == o) for o in others}
+    before = [o for o in others if position[o] < first_layer]
+    after = [o for o in others if position[o] > first_layer]
+    return before + parts + after
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
