@@ -24,10 +24,14 @@ class RMSNorm(nn.Module):
 
 
 class Layer(nn.Module):
-    """Causal attention (4 heads, computed by hand) and a GELU MLP, pre-norm."""
+    """Causal attention (4 heads, computed by hand) and a GELU MLP, pre-norm; dropout after the
+    MLP with ``DROPOUT`` (0 but in the dropout test)."""
+
+    DROPOUT = 0.0
 
     def __init__(self):
         super().__init__()
+        self.drop = nn.Dropout(self.DROPOUT)
         self.norm1, self.norm2 = RMSNorm(DIM), RMSNorm(DIM)
         self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
         self.o = nn.Linear(DIM, DIM, bias=False)
@@ -38,7 +42,7 @@ class Layer(nn.Module):
         q, k, v = (z.view(b, t, 4, DIM // 4).transpose(1, 2) for z in self.qkv(self.norm1(x)).chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
         x = x + self.o(a)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm2(x)))))
 
 
 class LM(nn.Module):

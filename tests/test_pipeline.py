@@ -263,3 +263,26 @@ def test_explain_shows_the_stages_the_schedule_and_the_sends(dist):
             f"{rows}x{M.SEQ}x{M.DIM} ({rows * M.SEQ * M.DIM * 4:,} bytes)") in text
     zb = same_on_every_rank(dist(2).run(_explained, "zero-bubble"))
     assert "4 stages" in zb and "W0.0" in zb and "3 stage boundaries x 4 micro-batches = 12" in zb
+
+
+def _with_dropout():
+    M.Layer.DROPOUT = 0.5
+    try:
+        n = ts.global_runtime_device_count()
+        torch.manual_seed(3)
+        runner = ts.pipeline(M.build(), ts.Mesh(np.arange(n), (n,), ("pipeline",)), split=M.Layer, microbatches=2)
+        losses = [runner.step(x, y, M.loss_fn).item() for x, y in M.batches(4)]
+        return losses, torch.rand(3).tolist()
+    finally:
+        M.Layer.DROPOUT = 0.0
+
+
+def test_dropout_draws_a_stream_of_its_own_and_leaves_the_programs_random_state_one(dist):
+    """With dropout the stages draw masks from a stream of their own: the program's random
+    state after the steps is the same on every process (it draws the same next batch), and a
+    seeded program gets the same losses run after run; without dropout (every other test
+    here) the losses are one device's."""
+    first, second = dist(2).run(_with_dropout), dist(2).run(_with_dropout)
+    assert first[0] == first[1] and first == second
+    no_dropout = run_clean(M.oracle, "plain", 4)[0]
+    assert first[0][0][0] != pytest.approx(no_dropout[0], rel=1e-3)  # the masks dropped something (same model)

@@ -14,6 +14,7 @@ A trace is made per micro-batch shape and training mode, and kept.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -211,6 +212,7 @@ class PipelineRunner:
         #: traced when made (example_inputs): every step has its shape, and what this process's
         #: stages do not use is freed
         self._sent: dict = {}  # stage -> (shape, bytes) of one micro-batch's output, as first computed
+        self._seed, self._runs = torch.initial_seed(), 0  # the stages' random stream (_own_random_stream)
         self._mesh = mesh
         self.fixed = example_inputs is not None
         if self.fixed:
@@ -415,11 +417,13 @@ class PipelineRunner:
             args = ()
         if self.num_stages - 1 in self.stage_indices:
             kwargs = {"target": targets, "losses": losses}
+        with self._own_random_stream():
+            if kind == "step":
+                schedule.step(*args, **kwargs)
+            else:
+                schedule.eval(*args, **kwargs)
         if kind == "step":
-            schedule.step(*args, **kwargs)
             self._sum_shared_grads()
-        else:
-            schedule.eval(*args, **kwargs)
         loss = (torch.stack([l.detach().float() for l in losses]).mean() if losses
                 else torch.zeros((), device=topology.device()))
         if self.fsdp is not None and losses:  # the last stage's processes: the mean of their rows' losses
@@ -428,6 +432,19 @@ class PipelineRunner:
         last = self.ranks[(self.num_stages - 1) % self.degree]
         dist.broadcast(loss, src=last, group=self.group)
         return loss
+
+    @contextlib.contextmanager
+    def _own_random_stream(self):
+        """The stages draw (dropout) from a stream of their own: seeded from the program's
+        seed (``torch.initial_seed()``), the run's count and this process's place (stage
+        position, 'fsdp' rank), so each stage and each share of rows get their own masks, a
+        seeded program's alike run after run; the program's own random state is left as it
+        was, the same on every process (one program)."""
+        self._runs += 1
+        devices = [topology.device()] if topology.device_type() == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash((self._seed, self._runs, self.position, self.fsdp_rank)) % 2**63)
+            yield
 
     def _held(self, name: str):
         """This process's tensor of the model's parameter ``name`` (one of its stages' shards
