@@ -90,7 +90,7 @@ def _check(results, kind, rows, stages):
 @pytest.mark.parametrize("schedule, kind, world, stages", [
     ("gpipe", "plain", 2, 2),
     ("1f1b", "plain", 2, 2),
-    ("1f1b", "tied", 2, 2),
+    pytest.param("1f1b", "tied", 2, 2, marks=pytest.mark.smoke),
     ("interleaved-1f1b", "plain", 2, 4),
     ("zero-bubble", "tied", 2, 4),
     ("1f1b", "tied", 4, 4),
@@ -103,7 +103,8 @@ def test_stages_train_as_one_device(dist, schedule, kind, world, stages):
     _check(results, kind, rows, stages)
 
 
-@pytest.mark.parametrize("schedule, kind, world", [("1f1b", "tied", 4), ("gpipe", "llama", 4), ("1f1b", "tied", 8)])
+@pytest.mark.parametrize("schedule, kind, world", [pytest.param("1f1b", "tied", 4, marks=pytest.mark.smoke),
+                                                   ("gpipe", "llama", 4), ("1f1b", "tied", 8)])
 def test_stages_with_fsdp_inside_train_as_one_device(dist, schedule, kind, world):
     """('pipeline', 'fsdp') = (world / 2, 2): each stage's parameters split over its two
     processes, the batch's rows too; the gradients and parameters are compared whole. At 8
