@@ -399,3 +399,11 @@ def test_the_native_engine_warns_once_on_this_torch(tmp_path):
     want = f"the native engine (cpu) is tested on torch>=2.13, this is torch {torch.__version__}"
     assert r.stderr.count(want) == 1, r.stderr[-3000:]
     assert "PJRT_DEVICE set or TORCHSPMD_BACKEND=xla" in r.stderr
+
+
+def test_pipeline_stages_are_refused_naming_the_native_engine(ts):
+    """torch_xla has no pipeline stages: ts.pipeline says so, and what runs them."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mesh = ts.Mesh(np.arange(4), (2, 2), ("pipeline", "fsdp"))
+    with pytest.raises(ts.SpmdError, match="the xla engine has no pipeline stages; run on the native engine"):
+        ts.pipeline(model, mesh, split=nn.Linear, microbatches=2)
