@@ -243,6 +243,18 @@ class PipelineRunner:
         inside the stages, DTensors holding this process's shards)."""
         return iter([p for _, p in self._mine])
 
+    @property
+    def stages(self) -> list:
+        """This process's ``torch.distributed.pipelining`` stage objects, of every trace made
+        so far (one trace when made with ``example_inputs``): for instruments (benchmarks)."""
+        return [st for traced in self._stages.values() for st in traced]
+
+    @property
+    def schedules(self) -> list:
+        """The ``torch.distributed.pipelining`` schedules made so far (one per trace and loss
+        function, made at its first step)."""
+        return list(self._traces.values())
+
     def named_parameters(self):
         """``(name, parameter)`` of ``parameters()``, each by its name in the model (its first
         name: a tied embedding is the embedding's on every stage)."""
@@ -360,7 +372,10 @@ class PipelineRunner:
         return stages
 
     def _shard(self, sub: nn.Module) -> None:
-        """FSDP2 over 'fsdp' for a stage: each of its layers a unit, the rest the stage's."""
+        """FSDP2 over 'fsdp' for a stage: each of its layers a unit, the rest the stage's. A
+        unit stays gathered from its forward to its backward (``reshard_after_forward=False``,
+        as torchtitan does with stages): the schedule runs every micro-batch through it, and
+        regathering it for each would cost a gather per micro-batch."""
         from torch.distributed.fsdp import fully_shard
 
         for name in self.layers:
@@ -368,8 +383,8 @@ class PipelineRunner:
                 layer = sub.get_submodule(name)
             except AttributeError:
                 continue
-            fully_shard(layer, mesh=self.fsdp)
-        fully_shard(sub, mesh=self.fsdp)
+            fully_shard(layer, mesh=self.fsdp, reshard_after_forward=False)
+        fully_shard(sub, mesh=self.fsdp, reshard_after_forward=False)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of the global batch over the micro-batches; the global loss."""
