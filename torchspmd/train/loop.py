@@ -653,14 +653,21 @@ def _train_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, floa
             loss.backward()
             loss_sum += loss.item()
         grad_norm = float(clip_grad_norm_(job.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
-        finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-        if finite:
-            job.opt.step()
-            job.sched.step()
-        elif job.rank == 0:
-            print(f"step {job.step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
-        job.opt.zero_grad(set_to_none=True)
+        finite = _update(job, loss_sum, grad_norm)
     return loss_sum, grad_norm, finite
+
+
+def _update(job: _Job, loss_sum: float, grad_norm: float) -> bool:
+    """The optimizer and schedule step of a step whose loss and gradient norm are finite (the
+    same on every process, so all decide alike); a non-finite one is skipped and said."""
+    finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+    if finite:
+        job.opt.step()
+        job.sched.step()
+    elif job.rank == 0:
+        print(f"step {job.step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
+    job.opt.zero_grad(set_to_none=True)
+    return finite
 
 
 def _stages_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, float, bool]:
@@ -676,14 +683,7 @@ def _stages_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, flo
             loss = loss * float("nan")
         loss_sum += loss.item()
     grad_norm = float(runner.clip_grad_norm_(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
-    finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
-    if finite:
-        job.opt.step()
-        job.sched.step()
-    elif job.rank == 0:
-        print(f"step {job.step + 1}: non-finite loss or gradient ({loss_sum}, norm {grad_norm}): update skipped")
-    job.opt.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, finite
+    return loss_sum, grad_norm, _update(job, loss_sum, grad_norm)
 
 
 def _save(job: _Job) -> None:
