@@ -47,11 +47,43 @@ def test_fsdpv2_prediction_within_15_percent_of_a_measured_run(tmp_path, devices
     assert predicted["DDP"]["total"] > fsdp > predicted["FSDPv2 + checkpointing"]["total"]
 
 
+def test_stages_and_model_axis_divide_what_each_device_holds():
+    """The prediction's parts with a 'model' axis and pipeline stages (their sum is not
+    checked against a measured run: see plan.stages_estimate)."""
+    from torchspmd.train.config import bubble
+
+    facts = model_facts("tiny", "fp32")
+    one = estimate(facts, 4, 16, 128)["FSDPv2"]
+    tp = estimate(facts, 4, 16, 128, model=2)["FSDPv2"]
+    # 'model' 2 halves the data-parallel devices (state x 2) and splits the state (/ 2): the same state
+    assert tp["parameters + optimizer"] == pytest.approx(one["parameters + optimizer"])
+    assert tp["activations"] == pytest.approx(2 * one["activations"])  # twice the rows, counted whole
+    st = estimate(facts, 4, 16, 128, pipeline=2)["FSDPv2"]
+    assert st["microbatches"] == 4 and st["bubble"] == pytest.approx(bubble(2, "1f1b", 4)) == 0.2
+    layers = facts.layers // 2 * facts.layer_params
+    assert layers + facts.last_params < facts.params
+    assert st["parameters + optimizer"] == pytest.approx(
+        (4 + 8) * (layers + max(facts.first_params, facts.last_params)) / 2, rel=0.3)
+    gpipe = estimate(facts, 4, 16, 128, pipeline=2, schedule="gpipe", microbatches=4)["FSDPv2"]
+    assert gpipe["activations"] > st["activations"]  # all four micro-batches in flight, not two
+    from torchspmd import SpmdError
+
+    with pytest.raises(SpmdError, match="must divide the 4 devices"):
+        estimate(facts, 4, 16, 128, model=3)
+    with pytest.raises(SpmdError, match="choose --microbatches among"):
+        estimate(facts, 4, 16, 128, pipeline=2, microbatches=3)
+
+
 def test_preset_plan_command_runs():
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "plan", "--model", "tiny", "--devices", "2"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FSDPv2 + checkpointing" in r.stdout and "fits" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "plan", "--model", "tiny", "--devices", "8",
+                        "--mesh-model", "2", "--pipeline", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mesh: 'fsdp' 2 x 'model' 2 x 'pipeline' 2" in r.stdout
+    assert "stages: 2 of up to 2 layers, 1f1b, 4 micro-batches: bubble 20%" in r.stdout
 
 
 def test_plan_errors_name_the_argument():

@@ -61,7 +61,8 @@ def gradients(states: list[dict]) -> list[dict]:
 
 
 RUNS = {"1d": (2, []),  # FSDP over 2 devices
-        "2d": (4, ["--mesh.model", "2"])}  # (fsdp 2, model 2)
+        "2d": (4, ["--mesh.model", "2"]),  # (fsdp 2, model 2)
+        "stages": (4, ["--mesh.pipeline", "2", "--mesh.model", "2"])}  # (pipeline 2, fsdp 1, model 2)
 
 
 def _jobs(folder: Path) -> None:
@@ -78,29 +79,33 @@ def jobs(once, tmp_path_factory):
     return tmp_path_factory.mktemp("tp"), {name: shared / name for name in RUNS}
 
 
-def test_the_2d_job_trains_as_the_1d_job(jobs):
+@pytest.mark.parametrize("job", ["2d", "stages"])
+def test_the_2d_job_trains_as_the_1d_job(jobs, job):
+    """And the job with two pipeline stages, each computing its layers tensor-parallel."""
     _, out = jobs
-    want, got = losses(out["1d"]), losses(out["2d"])
+    want, got = losses(out["1d"]), losses(out[job])
     assert got.keys() == want.keys() == {1, 2, 3, 4}
     for s in want:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
-    want, got = metric(out["1d"], "grad_norm"), metric(out["2d"], "grad_norm")  # (before clipping)
+    want, got = metric(out["1d"], "grad_norm"), metric(out[job], "grad_norm")  # (before clipping)
     assert got.keys() == want.keys() == set(range(1, STEPS + 1))
     for s in want:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
     # at every step, the same checkpoint keys and values: model, and AdamW's moments, whole; and so
     # the same gradients
-    states = {name: [dcp_state(ck(out[name], s)) for s in range(1, STEPS + 1)] for name in RUNS}
-    for s, (a, b) in enumerate(zip(states["2d"], states["1d"]), 1):
+    states = {name: [dcp_state(ck(out[name], s)) for s in range(1, STEPS + 1)] for name in ("1d", job)}
+    for s, (a, b) in enumerate(zip(states[job], states["1d"]), 1):
         assert a.keys() == b.keys()
         close(a["model"], b["model"], f"step {s} model")
         close(a["optim"]["state"], b["optim"]["state"], f"step {s} optim", MOMENTS_ATOL)
-    for s, (a, b) in enumerate(zip(gradients(states["2d"]), gradients(states["1d"])), 1):
+    for s, (a, b) in enumerate(zip(gradients(states[job]), gradients(states["1d"])), 1):
         close(a, b, f"step {s} gradient", GRADS_ATOL)
 
 
-@pytest.mark.parametrize("saved,resumed_on", [("2d", ("1d", 2, [])), ("1d", ("2d", 4, ["--mesh.model", "2"]))],
-                         ids=["2d_to_1d", "1d_to_2d"])
+@pytest.mark.parametrize("saved,resumed_on", [("2d", ("1d", 2, [])), ("1d", ("2d", 4, ["--mesh.model", "2"])),
+                                               ("stages", ("2d", 4, ["--mesh.model", "2"])),
+                                               ("2d", ("stages", 4, RUNS["stages"][1]))],
+                         ids=["2d_to_1d", "1d_to_2d", "stages_to_2d", "2d_to_stages"])
 def test_a_checkpoint_resumes_on_the_other_mesh(jobs, saved, resumed_on):
     tmp, out = jobs
     name, devices, flags = resumed_on

@@ -560,8 +560,7 @@ def _check_pipeline(cfg: TrainConfig) -> None:
                         f"{', '.join(PIPELINE_SCHEDULES)}" + did_you_mean(cfg.pipeline.schedule, PIPELINE_SCHEDULES))
     if cfg.mesh.pipeline == 1:
         return
-    refused = [(cfg.mesh.model > 1, "mesh.model", cfg.mesh.model, "the 'model' axis inside a stage"),
-               (cfg.mesh.data > 1, "mesh.data", cfg.mesh.data, "a 'data' axis beside the stages"),
+    refused = [(cfg.mesh.data > 1, "mesh.data", cfg.mesh.data, "a 'data' axis beside the stages"),
                (cfg.precision.dtype != "fp32", "precision.dtype", cfg.precision.dtype, "bf16 stages"),
                (cfg.precision.checkpointing, "precision.checkpointing", True, "activation checkpointing in a stage"),
                (cfg.compile, "compile", True, "compiled stages"),
@@ -572,38 +571,54 @@ def _check_pipeline(cfg: TrainConfig) -> None:
                             f"available yet; leave {name} at its default, or set mesh.pipeline = 1")
 
 
+def stages_per_process(schedule: str) -> int:
+    """The stages each process of the pipeline axis runs under ``schedule``."""
+    return 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+
+
+def bubble(p: int, schedule: str, m: int) -> float:
+    """The schedule's idle share by its formula, ``(p - 1) / (v m + p - 1)`` for ``p``
+    processes along the axis, ``v`` stages each, ``m`` micro-batches."""
+    return (p - 1) / (stages_per_process(schedule) * m + p - 1)
+
+
+def allowed_microbatches(rows: int, p: int, schedule: str) -> list[int]:
+    """The micro-batch counts ``rows`` rows split into and ``schedule`` over ``p``
+    processes takes (1f1b: one per stage at least; the two-stage schedules: a multiple of ``p``)."""
+    v = stages_per_process(schedule)
+    return [m for m in range(1, rows + 1)
+            if rows % m == 0 and (schedule != "1f1b" or m >= p) and (v == 1 or m % p == 0)]
+
+
+def fewest_microbatches(rows: int, p: int, schedule: str) -> int | None:
+    """The fewest allowed micro-batches whose bubble is at most 25% (else the most allowed);
+    None when none is allowed."""
+    fits = allowed_microbatches(rows, p, schedule)
+    return next((m for m in fits if bubble(p, schedule, m) <= 0.25), fits[-1]) if fits else None
+
+
 def pipeline_microbatches(cfg: TrainConfig, world: int) -> tuple[int, float]:
     """With ``mesh.pipeline`` stages: the micro-batches each micro-step's batch is split into
-    (``pipeline.microbatches``, else the fewest that keep the schedule's bubble at most 25%
-    among those the batch and the schedule allow) and that bubble, ``(p - 1) / (v m + p - 1)``
-    for ``p`` processes along the axis, ``v`` stages each, ``m`` micro-batches."""
-    p = cfg.mesh.pipeline
-    v = 2 if cfg.pipeline.schedule in ("interleaved-1f1b", "zero-bubble") else 1
-    rows = cfg.optim.batch_size // cfg.optim.grad_accum // (world // p)  # one process's rows per micro-step
-
-    def allowed(m: int) -> bool:
-        return rows % m == 0 and (cfg.pipeline.schedule != "1f1b" or m >= p) and (v == 1 or m % p == 0)
-
-    def bubble(m: int) -> float:
-        return (p - 1) / (v * m + p - 1)
-
-    need = {"1f1b": f"at least {p} (one per stage)", "gpipe": "any number"}.get(
-        cfg.pipeline.schedule, f"a multiple of {p}")
+    (``pipeline.microbatches``, else :func:`fewest_microbatches`) and the bubble."""
+    p, schedule = cfg.mesh.pipeline, cfg.pipeline.schedule
+    fsdp = world // (p * cfg.mesh.model)  # (a stage's 'model' processes take the same rows)
+    rows = cfg.optim.batch_size // cfg.optim.grad_accum // fsdp  # one process's rows per micro-step
+    fits = allowed_microbatches(rows, p, schedule)
+    need = {"1f1b": f"at least {p} (one per stage)", "gpipe": "any number"}.get(schedule, f"a multiple of {p}")
     if cfg.pipeline.microbatches:
         m = cfg.pipeline.microbatches
-        if not allowed(m):
+        if m not in fits:
             raise SpmdError(f"pipeline.microbatches = {m}: each process's {rows} rows per micro-step (optim.batch_size"
-                            f" / optim.grad_accum / the {world // p} 'fsdp' processes of a stage) must split into it, "
-                            f"and the {cfg.pipeline.schedule} schedule needs {need}; choose one of "
-                            f"{', '.join(str(k) for k in range(1, rows + 1) if allowed(k)) or 'none (raise optim.batch_size)'}")
-        return m, bubble(m)
-    fits = [m for m in range(1, rows + 1) if allowed(m)]
-    if not fits:
+                            f" / optim.grad_accum / the {fsdp} 'fsdp' processes of a stage) must split into it, "
+                            f"and the {schedule} schedule needs {need}; choose one of "
+                            f"{', '.join(str(k) for k in fits) or 'none (raise optim.batch_size)'}")
+        return m, bubble(p, schedule, m)
+    m = fewest_microbatches(rows, p, schedule)
+    if m is None:
         raise SpmdError(f"mesh.pipeline = {p}: each process's {rows} rows per micro-step cannot be split into "
-                        f"micro-batches the {cfg.pipeline.schedule} schedule takes ({need}); raise optim.batch_size "
+                        f"micro-batches the {schedule} schedule takes ({need}); raise optim.batch_size "
                         f"or lower optim.grad_accum")
-    m = next((m for m in fits if bubble(m) <= 0.25), fits[-1])
-    return m, bubble(m)
+    return m, bubble(p, schedule, m)
 
 
 def mesh_checks(cfg: TrainConfig, world: int) -> None:

@@ -228,31 +228,35 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     import sys
 
 
-    if cfg.mesh.model > 1 or cfg.mesh.pipeline > 1:
-        axis = "model" if cfg.mesh.model > 1 else "pipeline"
-        print(f"plan: no memory prediction (the planner does not model a '{axis}' axis)")
-        return
     try:
         facts = plan.config_facts(cfg)
     except Exception as e:  # the prediction is an aid: a model the planner cannot probe still trains
         print(f"plan: no memory prediction (the planner could not probe this model: {type(e).__name__}: {e})")
         return
     strategy = "FSDPv2 + checkpointing" if cfg.precision.checkpointing else "FSDPv2"
-    o = cfg.optim
+    o, m = cfg.optim, cfg.mesh
+    axes = dict(model=m.model, pipeline=m.pipeline, schedule=cfg.pipeline.schedule,
+                microbatches=pipeline_microbatches(cfg, world)[0] if m.pipeline > 1 else 0)
     total = plan.estimate(facts, world, o.batch_size, cfg.data.seq_len, cfg.precision.dtype, "adamw",
-                          o.grad_accum)[strategy]["total"]
-    rows = o.batch_size // o.grad_accum // world
+                          o.grad_accum, **axes)[strategy]["total"]
+    rows = o.batch_size // o.grad_accum // (world // (m.model * m.pipeline))
+    if m.model > 1 or m.pipeline > 1:
+        strategy += "".join(f" x {k} {v}" for k, v in (("model", m.model), ("pipeline", m.pipeline)) if v > 1)
     memory = _device_memory()
     of = f" of {memory[0] / 2**30:.1f} GB ({memory[1]})" if memory else ""
     print(f"plan: {total / 2**30:.2f} GB per device predicted{of}: {strategy}, {rows} x {cfg.data.seq_len} tokens "
           f"per device per micro-batch, {cfg.precision.dtype}, AdamW (torchspmd plan shows the parts)")
     if memory and total > plan.HEADROOM * memory[0]:
-        proposal = plan.propose(facts, world, o.batch_size, cfg.data.seq_len, memory[0], cfg.precision.dtype,
-                                "adamw", strategy, ladder=plan.LADDER[:2])  # (train has no CPU offload)
+        proposal = None
+        if m.pipeline == 1:  # (train has no CPU offload, and no checkpointing with stages)
+            proposal = plan.propose(facts, world, o.batch_size, cfg.data.seq_len, memory[0], cfg.precision.dtype,
+                                    "adamw", strategy.split(" x ")[0], ladder=plan.LADDER[:2], model=m.model,
+                                    schedule=cfg.pipeline.schedule)
         fix = (f"The planner proposes {plan.describe(proposal)}: set optim.grad_accum = {proposal.grad_accum}"
-               f"{' and precision.checkpointing = true' if proposal.strategy != strategy else ''}"
+               f"{' and precision.checkpointing = true' if proposal.strategy != strategy.split(' x ')[0] else ''}"
+               f"{f' and mesh.pipeline = {proposal.pipeline}' if proposal.pipeline > 1 else ''}"
                f"{f' and run on {proposal.devices} devices' if proposal.devices_changed else ''}." if proposal else
-               "Nothing the planner knows fits: lower data.seq_len or use a 'model' axis.")
+               "Nothing the planner knows fits: lower data.seq_len or use a larger 'model' axis.")
         print(f"torchspmd: warning: this run is predicted to need {total / 2**30:.1f} GB per device, more than "
               f"{plan.HEADROOM:.0%} of the {memory[0] / 2**30:.1f} GB each device has; it will likely run out of "
               f"memory. {fix}", file=sys.stderr, flush=True)
@@ -478,7 +482,7 @@ def _mesh(job: _Job) -> Mesh:
     tp = cfg.mesh.model
     if cfg.mesh.pipeline > 1:
         p = cfg.mesh.pipeline
-        mesh = Mesh(np.arange(world), (p, world // p), ("pipeline", "fsdp"))
+        mesh = Mesh(np.arange(world), (p, world // (p * tp), tp), ("pipeline", "fsdp", "model"))
     elif tp > 1:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // (cfg.mesh.data * tp), tp), ("data", "fsdp", "model"))
     else:
@@ -527,14 +531,16 @@ def _parallelize(job: _Job) -> None:
 
 def _split_into_stages(job: _Job) -> None:
     """``mesh.pipeline`` stages cut between the decoder layers, FSDP over 'fsdp' inside each
-    (torchspmd.pipeline), traced with a micro-step's batch shape; the model's parameters
-    other stages hold are freed."""
+    and the annotated weights split over 'model' (torchspmd.pipeline), traced with a
+    micro-step's batch shape; the model's parameters other stages hold are freed."""
     cfg = job.cfg
     layers = layer_classes(job.model)
     if len(layers) != 1:
         raise SpmdError(f"mesh.pipeline = {cfg.mesh.pipeline}: the model has {len(layers)} kinds of layers "
                         f"({', '.join(sorted(c.__name__ for c in layers))}); stages are cut between layers of one")
     micro, bubble = pipeline_microbatches(cfg, job.world)
+    if cfg.mesh.model > 1:  # annotated first: each stage computes its share of them tensor-parallel
+        shard_over_model(job.model, job.info["kind"], job.mesh)
     rows = cfg.optim.batch_size // cfg.optim.grad_accum
     example = torch.zeros((rows, cfg.data.seq_len), dtype=torch.long, device=runtime.device())
     job.runner = job.model = pipeline(job.model, job.mesh, split=next(iter(layers)), microbatches=micro,

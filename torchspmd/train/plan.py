@@ -48,7 +48,8 @@ import torch
 import torch.nn as nn
 
 from torchspmd.errors import SpmdError
-from torchspmd.train.config import PRESETS, did_you_mean, preset
+from torchspmd.train.config import (PIPELINE_SCHEDULES, PRESETS, allowed_microbatches, bubble, did_you_mean,
+                                    fewest_microbatches, preset, stages_per_process)
 from torchspmd.train.data import make_tokenizer
 from torchspmd.train.models import build_model, layer_classes, model_vocab
 
@@ -74,6 +75,8 @@ class ModelFacts:
     act_layer: float       # bytes autograd keeps per token inside one decoder layer
     act_root: float        # ... outside the layers (embedding, final norm, head, log-softmax)
     layer_input: float     # bytes of one layer's input per token (kept under checkpointing)
+    first_params: int = 0  # parameters registered before the first layer (the first stage's: embeddings)
+    last_params: int = 0   # ... after the last layer (the last stage's: final norm, LM head, a tied table again)
 
 
 def _spec(model: str) -> tuple[str, Callable[[int], nn.Module], Callable[[nn.Module], set], int, int, int]:
@@ -218,6 +221,11 @@ def _probe_facts(spec, dtype: str) -> ModelFacts:
     units = [m for m in full.modules() if isinstance(m, tuple(classes))]
     layer_params = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
     root_params = params - sum(sum(p.numel() for p in u.parameters()) for u in units)
+    prefixes = tuple(n + "." for n, m in full.named_modules() if isinstance(m, tuple(classes)))
+    named = list(full.named_parameters(remove_duplicate=False))
+    inside = [i for i, (n, _) in enumerate(named) if n.startswith(prefixes)]
+    first_params = sum(p.numel() for i, (n, p) in enumerate(named) if inside and i < inside[0])
+    last_params = sum(p.numel() for i, (n, p) in enumerate(named) if inside and i > inside[-1])
     del full
     with _no_init():
         probe = build(1)
@@ -231,23 +239,53 @@ def _probe_facts(spec, dtype: str) -> ModelFacts:
             b.data.normal_()
     act_layer, act_root, layer_input = _activations(probe, classes_of(probe), compute, vocab)
     return ModelFacts(name, params, layer_params, root_params, layers, hidden, vocab, act_layer, act_root,
-                      layer_input)
+                      layer_input, first_params, last_params)
+
+
+def _in_flight(schedule: str, p: int, m: int) -> tuple[float, float]:
+    """(first, last): the micro-batches whose activations the first and the last process of
+    a ``p``-process pipeline hold at once, in units of one stage's layers (an interleaved
+    process's stage is half its layers). gpipe: all ``m`` forwards before any backward;
+    1f1b: ``min(p, m)`` on the first (its warm-up), one on the last; the interleaved
+    schedules as torch's warm-up, ``(v - 1) p + 2 (p - 1 - rank) + 1`` stage-micro-batches,
+    at most ``v m``."""
+    if schedule == "gpipe":
+        return m, m
+    if schedule == "1f1b":
+        return min(p, m), 1
+    v = stages_per_process(schedule)
+    first = min(v * m, (v - 1) * p + 2 * (p - 1) + 1) / v
+    last = min(v * m, (v - 1) * p + 1) / v
+    return first, last
 
 
 def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str = "fp32",
-             optimizer: str = "adamw", grad_accum: int = 1) -> dict[str, dict[str, float]]:
+             optimizer: str = "adamw", grad_accum: int = 1, *, model: int = 1, pipeline: int = 1,
+             microbatches: int = 0, schedule: str = "1f1b") -> dict[str, dict[str, float]]:
     """Predicted peak bytes per device, by strategy, with their parts: ``batch`` sequences
     of ``seq`` tokens per optimizer step, in ``grad_accum`` micro-batches split over the
-    ``devices``."""
-    if devices < 1 or batch < 1 or seq < 1 or grad_accum < 1:
-        raise SpmdError("plan: devices, batch, seq and grad_accum must be positive")
+    devices' data-parallel groups.
+
+    ``model``: the 'model' axis's size (tensor parallelism): it divides the parameters'
+    state and FSDP's gathered units; the activations are counted whole on every process of
+    the axis (an upper bound: Megatron pairs split the MLP's and the heads' activations).
+    ``pipeline``: stages (``schedule``, ``microbatches``, 0: the fewest with a bubble of at
+    most 25%, as ``torchspmd train`` chooses): FSDPv2 only (checkpointing and CPU offload do
+    not combine with stages); see :func:`stages_estimate`."""
+    if devices < 1 or batch < 1 or seq < 1 or grad_accum < 1 or model < 1 or pipeline < 1:
+        raise SpmdError("plan: devices, batch, seq, grad_accum, the 'model' axis and the stages must be positive")
     if optimizer not in OPTIMIZER_STATES:
         raise SpmdError(f"plan --optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
     if dtype not in ("fp32", "bf16"):
         raise SpmdError(f"plan --dtype {dtype!r}: choose fp32 or bf16")
+    if devices % (model * pipeline):
+        raise SpmdError(f"plan: the 'model' axis ({model}) x the stages ({pipeline}) must divide the {devices} devices")
+    if pipeline > 1:
+        return {"FSDPv2": stages_estimate(facts, devices, batch, seq, dtype, optimizer, grad_accum, model, pipeline,
+                                          microbatches, schedule)}
     c = 2 if dtype == "bf16" else 4
     k = OPTIMIZER_STATES[optimizer]
-    n = devices
+    n = devices // model  # the data-parallel devices
     rows = math.ceil(batch / grad_accum / n)
     tokens = rows * seq
     P = facts.params
@@ -256,31 +294,99 @@ def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str =
     # The fp32 logits the caller holds through backward, their gradient, and the
     # cross-entropy's backward buffers of that size (met by the root's gathered parameters).
     loss_grad = 4 * tokens * facts.vocab * 4
-    unit = max(facts.layer_params, facts.root_params)
+    unit = max(facts.layer_params, facts.root_params) / model
     # FSDPv2: the root unit stays gathered through backward; a layer computing and the next
     # one gathered; the all-gather output buffer and the reduce-scatter input of one unit.
-    gathered = c * (facts.root_params + 2 * facts.layer_params) + c * unit + 4 * unit
+    gathered = c * (facts.root_params + 2 * facts.layer_params) / model + c * unit + 4 * unit
+    shard = P / (n * model)
 
     def peak(params_opt: float, grads: float, fixed: float, activations: float) -> dict[str, float]:
-        """The larger of the start of backward (all activations; no gradients yet, unless an
-        earlier micro-batch of the step left its accumulated ones) and its end (all
-        gradients, activations freed)."""
-        start = params_opt + fixed + activations + loss_grad + (grads if grad_accum > 1 else 0.0)
-        end = params_opt + grads + fixed
-        if start >= end:
-            held = {"accumulated gradients": grads} if grad_accum > 1 else {}
-            return {"parameters + optimizer": params_opt, **held, "gathered + buffers": fixed,
-                    "activations": activations, "logits, loss buffers": loss_grad, "total": start}
-        return {"parameters + optimizer": params_opt, "gradients": grads, "gathered + buffers": fixed,
-                "total": end}
+        return _peak(params_opt, grads, fixed, activations, loss_grad, grad_accum > 1)
 
     out = {
         # DDP: whole parameters, optimizer state and gradients, plus its gradient buckets.
-        "DDP": peak((4 + 4 * k) * P, 4 * P, 4 * P, acts),
-        "FSDPv2": peak((4 + 4 * k) * P / n, 4 * P / n, gathered, acts),
-        "FSDPv2 + checkpointing": peak((4 + 4 * k) * P / n, 4 * P / n, gathered, acts_ckpt),
+        "DDP": peak((4 + 4 * k) * P / model, 4 * P / model, 4 * P / model, acts),
+        "FSDPv2": peak((4 + 4 * k) * shard, 4 * shard, gathered, acts),
+        "FSDPv2 + checkpointing": peak((4 + 4 * k) * shard, 4 * shard, gathered, acts_ckpt),
         "FSDPv2 + checkpointing + CPU offload": peak(0.0, 0.0, gathered, acts_ckpt),
     }
+    return out
+
+
+def _peak(params_opt: float, grads: float, fixed: float, activations: float, loss_grad: float,
+          accumulating: bool) -> dict[str, float]:
+    """The larger of the start of backward (all activations; no gradients yet, unless an
+    earlier micro-batch of the step left its accumulated ones) and its end (all
+    gradients, activations freed)."""
+    start = params_opt + fixed + activations + loss_grad + (grads if accumulating else 0.0)
+    end = params_opt + grads + fixed
+    if start >= end:
+        held = {"accumulated gradients": grads} if accumulating else {}
+        return {"parameters + optimizer": params_opt, **held, "gathered + buffers": fixed,
+                "activations": activations, "logits, loss buffers": loss_grad, "total": start}
+    return {"parameters + optimizer": params_opt, "gradients": grads, "gathered + buffers": fixed,
+            "total": end}
+
+
+def stages_estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str, optimizer: str,
+                    grad_accum: int, model: int, pipeline: int, microbatches: int = 0,
+                    schedule: str = "1f1b") -> dict[str, float]:
+    """FSDPv2 inside ``pipeline`` stages (``torchspmd.pipeline``), the peak of the first and
+    the last process of the axis (the others hold fewer micro-batches or no loss):
+
+    - a stage holds ``ceil(layers / pipeline)`` layers (the most a stage holds; the
+      runner's balance by parameter count gives the end stages fewer when their other
+      modules are large), the first stage also the parameters registered before the first
+      layer (embeddings), the last those after the last (final norm, LM head, a tied table
+      again), split over its 'fsdp' processes and the 'model' axis;
+    - FSDP keeps the stage's units gathered from their forward to their backward (as the
+      runner does), so the whole stage is gathered through the step (compute dtype);
+      without 'fsdp' (one process per stage and 'model' block) nothing is gathered;
+
+    Unlike FSDPv2's, this prediction is not checked against measured runs: it leaves out
+    that every process builds the whole model before the split (the runner frees what its
+    stages do not use, which a CPU process's allocator may keep) and the optimizer step's
+    temporaries over a stage's unsharded parameters.
+    - activations: one micro-batch's (``rows / microbatches`` rows) per micro-batch in
+      flight (:func:`_in_flight`), plus the received activation and its gradient;
+    - the last stage's loss: the logits buffers of the micro-batches in flight there.
+
+    Parts add ``"bubble"`` (the schedule's idle share by its formula, a fraction) and
+    ``"microbatches"``."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise SpmdError(f"plan --schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if pipeline * stages_per_process(schedule) > facts.layers:
+        raise SpmdError(f"plan --pipeline {pipeline}: {facts.name} has {facts.layers} layers, fewer than the "
+                        f"{pipeline * stages_per_process(schedule)} stages of the {schedule} schedule")
+    c = 2 if dtype == "bf16" else 4
+    k = OPTIMIZER_STATES[optimizer]
+    dp = devices // (model * pipeline)
+    rows = math.ceil(batch / grad_accum / dp)
+    m = microbatches or fewest_microbatches(rows, pipeline, schedule)
+    if m is None or m not in allowed_microbatches(rows, pipeline, schedule):
+        raise SpmdError(f"plan: {rows} rows per process per micro-step cannot be split into "
+                        f"{microbatches or 'any number of'} micro-batches the {schedule} schedule over {pipeline} "
+                        f"stages takes; raise --batch or choose --microbatches among "
+                        f"{allowed_microbatches(rows, pipeline, schedule) or 'none'}")
+    tokens = rows // m * seq  # one micro-batch's
+    layers = math.ceil(facts.layers / pipeline)
+    first, last = _in_flight(schedule, pipeline, m)
+    per_micro = tokens * (layers * facts.act_layer + facts.act_root)
+    boundary = 2 * tokens * facts.hidden * c  # the received activation and its gradient
+    known = facts.first_params or facts.last_params
+    ends = []
+    for held, loss_micro, outside in ((first, 0, facts.first_params if known else facts.root_params),
+                                      (last, 1 if schedule != "gpipe" else m, facts.last_params if known
+                                       else facts.root_params)):
+        stage = layers * facts.layer_params + outside
+        shard = stage / (dp * model)
+        # (without 'fsdp' inside the stages there is no FSDP: nothing gathered)
+        gathered = c * stage / model + (c + 4) * max(facts.layer_params, outside) / model if dp > 1 else 0.0
+        loss = (loss_micro + 3) * tokens * facts.vocab * 4 if loss_micro else 0.0
+        ends.append(_peak((4 + 4 * k) * shard, 4 * shard, gathered, held * per_micro + boundary, loss, grad_accum > 1))
+    out = dict(max(ends, key=lambda e: e["total"]))
+    out["bubble"] = bubble(pipeline, schedule, m)
+    out["microbatches"] = m
     return out
 
 
@@ -295,9 +401,10 @@ HEADROOM = 0.9
 @dataclass
 class Proposal:
     """What fits a device of ``memory`` bytes: ``strategy`` with ``rows`` sequences per
-    device per micro-batch and ``grad_accum`` micro-batches per step (the global batch
-    unchanged) on ``devices`` devices (more than asked for when ``devices_changed``),
-    predicted to peak at ``total`` bytes."""
+    data-parallel group per micro-batch and ``grad_accum`` micro-batches per step (the global
+    batch unchanged) on ``devices`` devices (more than asked for when ``devices_changed``),
+    with ``pipeline`` stages (1: none; then ``microbatches`` pipeline micro-batches), predicted
+    to peak at ``total`` bytes."""
     memory: float
     strategy: str
     devices: int
@@ -305,35 +412,53 @@ class Proposal:
     grad_accum: int
     total: float
     devices_changed: bool
+    pipeline: int = 1
+    microbatches: int = 0
 
 
 def propose(facts: ModelFacts, devices: int, batch: int, seq: int, memory: float, dtype: str = "fp32",
             optimizer: str = "adamw", strategy: str = "FSDPv2", max_devices: int = 4096,
-            ladder: list[str] = LADDER) -> Proposal | None:
+            ladder: list[str] = LADDER, *, model: int = 1, stages: bool = True,
+            schedule: str = "1f1b") -> Proposal | None:
     """The cheapest way to run a global batch of ``batch`` x ``seq`` on devices of ``memory``
-    bytes: the largest micro-batch per device (a divisor of ``batch / devices``, the rest
-    as ``grad_accum``) that fits with ``strategy``; if even one row does not fit, the
-    next strategy of ``ladder`` (checkpointing, then CPU offload); then twice the
-    devices, up to ``max_devices`` (the global batch must still divide). None when
-    nothing fits."""
+    bytes with a 'model' axis of ``model``: the largest micro-batch per data-parallel group (a
+    divisor of its rows, the rest as ``grad_accum``) that fits with ``strategy``; if even one
+    row does not fit, the next strategy of ``ladder`` (checkpointing, then CPU offload); then
+    (``stages``) pipeline stages, 2, 4, ... (FSDPv2 inside them, ``schedule``); then twice the
+    devices, up to ``max_devices`` (the global batch must still divide). None when nothing fits."""
     budget = memory * HEADROOM
     n = devices
-    while n <= max_devices and batch % n == 0:
+    while n <= max_devices and n % model == 0 and batch % (n // model) == 0:
+        dp = n // model
         for name in ladder[ladder.index(strategy):]:
-            per = batch // n
+            per = batch // dp
             for rows in sorted((r for r in range(1, per + 1) if per % r == 0), reverse=True):
                 accum = per // rows
-                total = estimate(facts, n, batch, seq, dtype, optimizer, accum)[name]["total"]
+                total = estimate(facts, n, batch, seq, dtype, optimizer, accum, model=model)[name]["total"]
                 if total <= budget:
                     return Proposal(memory, name, n, rows, accum, total, n != devices)
+        pp = 2
+        while stages and dp % pp == 0 and pp * stages_per_process(schedule) <= facts.layers:
+            per = batch // (dp // pp)
+            for rows in sorted((r for r in range(1, per + 1) if per % r == 0), reverse=True):
+                accum = per // rows
+                if fewest_microbatches(rows, pp, schedule) is None:
+                    continue
+                parts = estimate(facts, n, batch, seq, dtype, optimizer, accum, model=model, pipeline=pp,
+                                 schedule=schedule)["FSDPv2"]
+                if parts["total"] <= budget:
+                    return Proposal(memory, "FSDPv2", n, rows, accum, parts["total"], n != devices, pp,
+                                    int(parts["microbatches"]))
+            pp *= 2
         n *= 2
     return None
 
 
 def describe(p: Proposal) -> str:
     more = f" on {p.devices} devices" if p.devices_changed else ""
-    return (f"{p.strategy}, {p.rows} row{'s' if p.rows > 1 else ''} per device x grad_accum {p.grad_accum}{more}: "
-            f"{p.total / 2**30:.1f} GB")
+    stages = (f" in {p.pipeline} pipeline stages ({p.microbatches} micro-batches)" if p.pipeline > 1 else "")
+    return (f"{p.strategy}{stages}, {p.rows} row{'s' if p.rows > 1 else ''} per device x grad_accum "
+            f"{p.grad_accum}{more}: {p.total / 2**30:.1f} GB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batches per step (default: the preset's, else 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: the preset's, else bf16")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--mesh-model", type=int, default=1, help="the 'model' axis's size (tensor parallelism)")
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (the 'pipeline' axis's size)")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="the stages' schedule")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="pipeline micro-batches per micro-step (0: the fewest with a bubble of at most 25%%)")
     p.add_argument("--memory-gb", type=float, action="append", default=None,
                    help="a device size (GB of memory) to propose for, instead of the common ones; repeatable")
     a = p.parse_args(argv)
@@ -360,44 +490,60 @@ def main(argv: list[str] | None = None) -> int:
     seq = a.seq or (cfg.data.seq_len if cfg else 1024)
     accum = a.grad_accum or (cfg.optim.grad_accum if cfg and a.batch is None else 1)
     dtype = a.dtype or (cfg.precision.dtype if cfg else "bf16")
-    for name, v in (("--devices", a.devices), ("--batch", batch), ("--seq", seq), ("--grad-accum", accum)):
+    for name, v in (("--devices", a.devices), ("--batch", batch), ("--seq", seq), ("--grad-accum", accum),
+                    ("--mesh-model", a.mesh_model), ("--pipeline", a.pipeline)):
         if v < 1:
             raise SpmdError(f"plan {name} {v}: must be at least 1")
     if batch % accum:
         raise SpmdError(f"plan --batch {batch} is not divisible by --grad-accum {accum}")
     if any(m <= 0 for m in a.memory_gb or []):
         raise SpmdError("plan --memory-gb: give a positive size in GB")
+    if a.devices % (a.mesh_model * a.pipeline):
+        raise SpmdError(f"plan --mesh-model {a.mesh_model} x --pipeline {a.pipeline} must divide --devices "
+                        f"{a.devices}")
     facts = model_facts(a.model, dtype)
-    plan = estimate(facts, a.devices, batch, seq, dtype, a.optimizer, accum)
+    axes = dict(model=a.mesh_model, pipeline=a.pipeline, microbatches=a.microbatches, schedule=a.schedule)
+    plan = estimate(facts, a.devices, batch, seq, dtype, a.optimizer, accum, **axes)
     gb = 2**30
-    rows = math.ceil(batch / accum / a.devices)
+    dp = a.devices // (a.mesh_model * a.pipeline)
+    rows = math.ceil(batch / accum / dp)
+    mesh = (f"; mesh: 'fsdp' {dp}" + (f" x 'model' {a.mesh_model}" if a.mesh_model > 1 else "")
+            + (f" x 'pipeline' {a.pipeline}" if a.pipeline > 1 else ""))
     print(f"{facts.name}: {facts.params / 1e6:.1f}M parameters ({facts.layers} layers of "
-          f"{facts.layer_params / 1e6:.1f}M, {facts.root_params / 1e6:.1f}M outside them); {a.devices} devices, "
-          f"global batch {batch} x {seq} tokens ({rows} rows per device per micro-batch, grad_accum {accum}), "
-          f"{dtype}, {a.optimizer}")
+          f"{facts.layer_params / 1e6:.1f}M, {facts.root_params / 1e6:.1f}M outside them); {a.devices} devices{mesh}, "
+          f"global batch {batch} x {seq} tokens ({rows} rows per data-parallel group per micro-batch, grad_accum "
+          f"{accum}), {dtype}, {a.optimizer}")
     print(f"activations measured per token: {facts.act_layer / 1024:.1f} KiB per layer, "
-          f"{facts.act_root / 1024:.1f} KiB outside the layers\n")
+          f"{facts.act_root / 1024:.1f} KiB outside the layers")
+    if a.pipeline > 1:
+        st = plan["FSDPv2"]
+        print(f"stages: {a.pipeline} of up to {math.ceil(facts.layers / a.pipeline)} layers, {a.schedule}, "
+              f"{int(st['microbatches'])} micro-batches: bubble {st['bubble']:.0%} by the schedule's formula; the "
+              f"peak is the larger of the first stage's (micro-batches in flight) and the last's (the loss)")
+    print()
     sizes = ({f"{m:g} GB": m for m in a.memory_gb} if a.memory_gb else DEVICE_SIZES_GB)
     header = f"{'strategy':40s} {'peak GB/device':>14s}  parts (GB)"
     print(header)
     print("-" * len(header))
     for name, parts in plan.items():
-        detail = ", ".join(f"{k} {v / gb:.2f}" for k, v in parts.items() if k != "total")
+        detail = ", ".join(f"{k} {v / gb:.2f}" for k, v in parts.items() if k not in ("total", "bubble", "microbatches"))
         print(f"{name:40s} {parts['total'] / gb:14.2f}  {detail}")
     print()
     for name, parts in plan.items():
         fits = [label for label, size in sizes.items() if parts["total"] <= size * 1e9 * HEADROOM]
         print(f"{name}: fits {', '.join(fits) if fits else 'none of ' + ', '.join(sizes)}")
-    print(f"\nProposed (FSDPv2; global batch {batch} x {seq} kept; the largest micro-batch per device that fits, "
-          f"else the cheapest change):")
+    print(f"\nProposed (FSDPv2{' x model ' + str(a.mesh_model) if a.mesh_model > 1 else ''}; global batch {batch} x "
+          f"{seq} kept; the largest micro-batch per device that fits, else the cheapest change: checkpointing, CPU "
+          f"offload, pipeline stages, more devices):")
     for label, size in sizes.items():
-        proposal = propose(facts, a.devices, batch, seq, size * 1e9, dtype, a.optimizer)
+        proposal = propose(facts, a.devices, batch, seq, size * 1e9, dtype, a.optimizer, model=a.mesh_model,
+                           schedule=a.schedule)
         print(f"  {label}: " + (describe(proposal) if proposal else
-                                f"nothing fits, even with CPU offload and more devices (up to 4096 that divide "
-                                f"the batch of {batch}): lower data.seq_len or use a 'model' axis"))
+                                f"nothing fits, even with CPU offload, stages and more devices (up to 4096 that "
+                                f"divide the batch of {batch}): lower --seq or use a larger --mesh-model"))
     print(f"\n(a device fits when the prediction is at most {HEADROOM:.0%} of its memory: allocator fragmentation, "
-          f"the CUDA context and framework buffers take the rest; a 'model' axis (tensor parallelism) is not "
-          f"modelled)")
+          f"the CUDA context and framework buffers take the rest; with a 'model' axis the activations are counted "
+          f"whole on each of its processes, an upper bound)")
     return 0
 
 

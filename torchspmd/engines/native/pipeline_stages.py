@@ -26,11 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchspmd.engines.native import device_mesh as device_meshes
-from torchspmd.engines.native import topology
+from torchspmd.engines.native import replicas, topology
 from torchspmd.errors import SpmdError
 
 __all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages", "is_split"]
@@ -144,11 +144,16 @@ class PipelineRunner:
         global _HOOK
         dm = device_meshes.device_mesh(mesh)
         names = list(mesh.axis_names)
-        others = [a for a in names if a not in (axis, "fsdp") and mesh.mesh_shape[names.index(a)] > 1]
+        others = [a for a in names if a not in (axis, "fsdp", "model") and mesh.mesh_shape[names.index(a)] > 1]
         if others:
             raise SpmdError(f"pipeline(mesh=...): the mesh's axes {others} have more than one device; inside a stage "
-                            f"only 'fsdp' splits for now (the 'model' axis is not available there yet)")
+                            f"'fsdp' splits the parameters and the rows, 'model' the annotated weights: name the "
+                            f"axes so, or make the others 1")
         self.model = model
+        #: tensor parallelism inside each stage: the weights annotated over 'model'
+        self.tp = dm["model"] if "model" in names and mesh.mesh_shape[names.index("model")] > 1 else None
+        self.tp_rank = self.tp.get_local_rank() if self.tp is not None else 0
+        _onto_stage_meshes(model, mesh, dm, self.tp)
         self.axis = axis
         #: FSDP inside each stage: the stage's processes along 'fsdp' split its parameters and the batch's rows
         self.fsdp = dm["fsdp"] if "fsdp" in names and mesh.mesh_shape[names.index("fsdp")] > 1 else None
@@ -208,7 +213,8 @@ class PipelineRunner:
         self._traces: dict = {}
         self._stages: dict = {}
         self._tracing = False
-        self._shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+        #: each parameter's shape on this process before 'fsdp' (its 'model' block where split)
+        self._shapes = {n: _local(p).shape for n, p in model.named_parameters(remove_duplicate=False)}
         #: traced when made (example_inputs): every step has its shape, and what this process's
         #: stages do not use is freed
         self._sent: dict = {}  # stage -> (shape, bytes) of one micro-batch's output, as first computed
@@ -231,7 +237,7 @@ class PipelineRunner:
                             seen.add(id(p))
                             self._mine.append((self._canonical[id(model.get_parameter(n))], p))
             for p in self._others.values():  # other stages' parameters (all the model's with 'fsdp')
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                _free(p)
         model.register_forward_pre_hook(self._direct_call)
         _RUNNERS.add(self)
         if _HOOK is None:
@@ -334,8 +340,9 @@ class PipelineRunner:
                 # torch.export's own use of a deprecated pytree check on this torch: not the program's
                 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
                                         category=FutureWarning)
-                pipe = pipelining.pipeline(self.model, mb_args=(micro,), split_spec={
-                    name: pipelining.SplitPoint.BEGINNING for name in self.plan.starts})
+                with _plain_stand_ins(self.model):
+                    pipe = pipelining.pipeline(self.model, mb_args=(micro,), split_spec={
+                        name: pipelining.SplitPoint.BEGINNING for name in self.plan.starts})
         finally:
             self._tracing = False
         if pipe.num_stages != self.num_stages:
@@ -358,9 +365,21 @@ class PipelineRunner:
                 if getattr(parent, leaf) is not original:
                     parent.register_parameter(leaf, original)  # the model's own parameter
             sub.train(self.model.training)
+            if self.tp is not None:
+                _drop_metadata_checks(sub)
+                _reduce_lookups_at_once(sub)
+                sub.register_forward_hook(_plain_outputs)
+                # its whole parameters are replicas over 'model' (and over nothing else): checked there, so
+                # that meeting the split weights does not check them over every process
+                replicas.agree_once([p for p in sub.parameters() if not isinstance(p, DTensor)],
+                                    group=self.tp.get_group())
             sub.register_forward_hook(functools.partial(self._record_output, k))
             if self.fsdp is not None:
                 self._shard(sub)
+            if self.tp is not None:
+                # (after fully_shard: its hooks that put the gathered parameters in place run first)
+                for unit in [sub, *(m for m in sub.modules() if m is not sub and _is_unit(m))]:
+                    unit.register_forward_pre_hook(_gradients_laid_out_as_parameters)
             stages.append(pipelining.build_stage(sub, k, pipe.info(), topology.device(), self.group))
         # the trace's copies for other processes' stages (of a parameter two stages use): the
         # stages keep the traced graph, and with it those copies
@@ -368,7 +387,7 @@ class PipelineRunner:
         originals = {id(p) for _, p in _unique(self.model)}
         for p in pipe.split_gm.parameters():
             if id(p) not in used and id(p) not in originals:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                _free(p)
         return stages
 
     def _shard(self, sub: nn.Module) -> None:
@@ -432,7 +451,8 @@ class PipelineRunner:
             args = ()
         if self.num_stages - 1 in self.stage_indices:
             kwargs = {"target": targets, "losses": losses}
-        with self._own_random_stream():
+        # (the stages' plain tensors are replicas over 'model' by construction: not checked while they run)
+        with self._own_random_stream(), replicas.trusted():
             if kind == "step":
                 schedule.step(*args, **kwargs)
             else:
@@ -508,6 +528,8 @@ class PipelineRunner:
                 p = self._held(n)
                 if p is not None:
                     counted.add(id(p))
+        if self.tp is not None and self.tp_rank != 0:  # a gradient whole on each 'model' process: counted once
+            counted |= {id(p) for _, p in self._mine if not _split_over(p, "model")}
         grads = [_local(p.grad).detach() for _, p in self._mine if p.grad is not None and id(p) not in counted]
         device = topology.device()
         if math.isinf(norm_type):
@@ -627,6 +649,188 @@ def _ordered(names, held, others, parts) -> list[str]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _split_over(p: torch.Tensor, axis: str) -> bool:
+    """Whether ``p`` (a DTensor) is split over the mesh axis named ``axis``."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return axis in names and p.placements[names.index(axis)].is_shard()
+
+
+def _free(p: torch.Tensor) -> None:
+    """Release ``p``'s storage (a parameter this process's stages do not use)."""
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    local.data = torch.empty(0, dtype=local.dtype, device=local.device)
+
+
+def _slots(model: nn.Module):
+    """(module, name, parameter) of every parameter slot of ``model``, tied ones included."""
+    for module in model.modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is not None:
+                yield module, leaf, p
+
+
+def _onto_stage_meshes(model: nn.Module, mesh, dm, tp) -> None:
+    """The model's annotated parameters (DTensors over the whole mesh) made what the stages
+    compute with: a weight split over 'model' becomes a DTensor over the 'model' axis alone,
+    holding its block of that split (its split over 'fsdp', if annotated, is FSDP's part and
+    over the pipeline axis it is whole); any other annotated parameter becomes whole."""
+    from torchspmd.engines.native.replaced_parameters import mark_replaced
+
+    made: dict = {}
+    for module, leaf, p in _slots(model):
+        if not isinstance(p, DTensor):
+            continue
+        if id(p) not in made:
+            names = list(p.device_mesh.mesh_dim_names or ())
+            if p.device_mesh != dm:
+                raise SpmdError(f"pipeline: the parameter {leaf!r} of {type(module).__name__} is sharded over another "
+                                f"mesh ({p.device_mesh}); annotate it over the mesh given to pipeline()")
+            if any(not (pl.is_shard() or pl.is_replicate()) for pl in p.placements):
+                raise SpmdError(f"pipeline: the parameter {leaf!r} of {type(module).__name__} has placements "
+                                f"{p.placements}; annotate parameters with mark_sharding (splits only)")
+            with torch.no_grad():
+                if tp is not None and _split_over(p, "model"):
+                    keep = [pl if n == "model" else Replicate() for n, pl in zip(names, p.placements)]
+                    local = p.redistribute(dm, keep).to_local()
+                    value = DTensor.from_local(local, tp, [p.placements[names.index("model")]], run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                else:
+                    value = p.full_tensor()
+            new = nn.Parameter(value, requires_grad=p.requires_grad)
+            mark_replaced(p, f"parameter {leaf!r} of {type(module).__name__}, which pipeline() replaced with the "
+                             f"stages' own")
+            made[id(p)] = new
+        module._parameters[leaf] = made[id(p)]
+
+
+@contextlib.contextmanager
+def _plain_stand_ins(model: nn.Module):
+    """While the model is traced: its DTensor parameters stood in for by plain tensors of
+    their global shape (torch.export traces shapes; the values are never read)."""
+    swapped, plain = [], {}
+    for module, leaf, p in _slots(model):
+        if isinstance(p, DTensor):
+            if id(p) not in plain:
+                plain[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                                            requires_grad=p.requires_grad)
+            swapped.append((module, leaf, p))
+            module._parameters[leaf] = plain[id(p)]
+    try:
+        yield
+    finally:
+        for module, leaf, p in swapped:
+            module._parameters[leaf] = p
+
+
+def _drop_metadata_checks(stage: nn.Module) -> None:
+    """Remove the trace's ``aten._assert_tensor_metadata`` nodes (checks of a tensor's dtype
+    and device, results unused) from a stage's graphs: DTensor has no rule for them, and the
+    stage computes with DTensors where weights are split over 'model'."""
+    check = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    if check is None:
+        return
+    for m in stage.modules():
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        dropped = False
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is check.default and not node.users:
+                graph.erase_node(node)
+                dropped = True
+        if dropped:
+            if isinstance(m, torch.fx.GraphModule):
+                m.recompile()
+            elif callable(getattr(m, "finalize", None)):  # torch.export's InterpreterModule
+                m.finalize()
+
+
+class _Summed(torch.autograd.Function):
+    """A DTensor with pending sums carried out; its gradient whole (pending sums of the
+    gradient carried out too), which an embedding lookup's backward takes for any table
+    layout (the gradient of a table split by vocabulary is then laid out as the table by
+    ``_gradients_laid_out_as_parameters``)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        return grad
+
+
+def _whole_if_partial(t):
+    """``t`` with a pending sum over 'model' carried out (an embedding split by vocabulary)."""
+    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+        return _Summed.apply(t)
+    return t
+
+
+def _reduce_lookups_at_once(stage: nn.Module) -> None:
+    """After each embedding lookup of a stage's graphs, its pending sum is carried out: a
+    lookup in a table split by vocabulary leaves each process's rows masked and a sum
+    pending, whose mask DTensor keeps for one reduction only, and the traced graph may use
+    the lookup twice (transformers' decoders: the residual and the norm)."""
+    for m in stage.modules():
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default and node.users:
+                with graph.inserting_after(node):
+                    whole = graph.call_function(_whole_if_partial, (node,))
+                node.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+                changed = True
+        if changed:
+            if isinstance(m, torch.fx.GraphModule):
+                m.recompile()
+            elif callable(getattr(m, "finalize", None)):
+                m.finalize()
+
+
+def _is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` made its class a subclass of FSDPModule)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _gradients_laid_out_as_parameters(module, args) -> None:
+    """The traced graph computes with DTensors by DTensor's sharding rules, which may leave a
+    weight's gradient partial or whole where the weight is split: each DTensor parameter the
+    module computes with (with FSDP, the gathered one) gets its gradient laid out as itself
+    before it accumulates (a reduce-scatter of a partial one), so that the optimizer, the
+    global norm and FSDP's reduction see blocks of the weight's own split."""
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_torchspmd_grad_layout", False):
+            p.register_hook(functools.partial(_laid_out, p.device_mesh, tuple(p.placements)))
+            p._torchspmd_grad_layout = True
+
+
+def _laid_out(mesh, placements, grad):
+    if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+        return grad.redistribute(mesh, placements)
+    return grad
+
+
+def _plain_outputs(module, args, output):
+    """A stage's outputs as plain tensors (whole: gathered over 'model' where split), what
+    the schedule sends to the next stage."""
+    def plain(t):
+        if isinstance(t, DTensor):
+            return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
+        return t
+    if isinstance(output, (tuple, list)):
+        return type(output)(plain(t) for t in output)
+    return plain(output)
 
 
 def _unique(model: nn.Module):
