@@ -163,6 +163,20 @@ def test_local_jsonl_data_bf16_and_a_pretrained_model_with_meta_init(tmp_path):
         assert not any(row["eval_loss"] for row in csv.DictReader(f))
 
 
+def test_a_short_run_adapts_the_defaults_it_contradicts(tmp_path):
+    """--optim.max_steps 3 alone, on one device: the default warm-up (20 steps) becomes a tenth
+    of the run, said under the printed config; the same warm-up set by the user is refused."""
+    base = [sys.executable, "-m", "torchspmd.cli", "train", "--mesh.devices", "1", *SMALL, "--optim.max_steps", "3"]
+    r = subprocess.run([*base, "--out-dir", str(tmp_path / "short")], capture_output=True, text=True,
+                       env=clean_env(), timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "# optim.warmup_steps = 0: adapted, its default 20 is more than optim.max_steps = 3" in r.stdout
+    assert sorted(losses(tmp_path / "short")) == [1, 2, 3]
+    r = subprocess.run([*base, "--out-dir", str(tmp_path / "set"), "--optim.warmup_steps", "20"], capture_output=True,
+                       text=True, env=clean_env(), timeout=600, cwd=ROOT)
+    assert r.returncode != 0 and "optim.warmup_steps = 20 is more than optim.max_steps = 3" in r.stderr
+
+
 ERRORS = [
     (["--model.nope", "1"], "unknown option --model.nope"),
     (["--preset", "huge"], "preset = 'huge': unknown preset"),

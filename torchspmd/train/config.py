@@ -336,6 +336,9 @@ def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         else:
             nested[k] = v
     apply_overrides(cfg, nested, "flags")
+    explicit = {k for k in values if "." in k} | {f"{sec}.{k}" for sec, table in from_file.items()
+                                                   if isinstance(table, dict) for k in table}
+    cfg.adapted = adapt_defaults(cfg, explicit)
     validate(cfg)
     # The config is saved with every checkpoint and read back by export / generate / resume,
     # maybe from another directory: its input paths (checked to exist above) are made absolute.
@@ -404,6 +407,26 @@ _RANGES = [
     ("logging.sample_tokens", 0, None, "tokens to sample, 0 for none"),
     ("seed", 0, 2**32 - 1, "the random seed"),
 ]
+
+
+def adapt_defaults(cfg: TrainConfig, explicit: set[str]) -> list[str]:
+    """Settings the user left at their default (or their preset's) that contradict one the
+    user set are adapted to it, and said (the job prints each line under its config); a
+    contradiction between two settings the user set stays an error (``validate``).
+
+    - ``optim.warmup_steps`` longer than ``optim.max_steps``: a tenth of the run (rounded
+      down; no warm-up for a run of under 10 steps).
+
+    The intervals need nothing: a run shorter than ``checkpoint.every`` or
+    ``logging.eval_every`` saves and evaluates at its end, and too little held-out text
+    for ``logging.eval_batches`` skips evaluation with a message. Returns the lines."""
+    said = []
+    o = cfg.optim
+    if "optim.warmup_steps" not in explicit and o.warmup_steps > o.max_steps:
+        was, o.warmup_steps = o.warmup_steps, o.max_steps // 10
+        said.append(f"optim.warmup_steps = {o.warmup_steps}: adapted, its default {was} is more than "
+                    f"optim.max_steps = {o.max_steps} (a tenth of the run)")
+    return said
 
 
 def _get(cfg: TrainConfig, name: str):

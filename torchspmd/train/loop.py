@@ -446,6 +446,8 @@ def _start(cfg: TrainConfig) -> _Job:
         job.out.mkdir(parents=True, exist_ok=True)
         print(f"torchspmd train: {job.world} device(s), backend {runtime.backend()}, output {job.out}\n")
         print(cfg.to_toml())
+        for line in getattr(cfg, "adapted", ()):
+            print(f"# {line}")
     barrier()
     torch.manual_seed(cfg.seed)
     return job
