@@ -17,6 +17,14 @@
    token (PaLM's formula, attention included) against the device's dense bf16 peak
    (a table of known devices, or ``--peak-tflops``).
 
+3. **Stages** (on a machine with 2 or more GPUs, ``--stages-procs`` of them, default all;
+   on CPU only when ``--stages-procs`` is given): the check's Llama in float32, ``--steps``
+   AdamW steps on the same global batches, in ``torchspmd run --nproc N`` processes: FSDPv2
+   over the N devices against ``ts.pipeline`` with N stages (1F1B, 2N micro-batches of a
+   global batch of ``max(--batch, 2N)`` rows). The pipeline's losses must equal FSDPv2's
+   (float32 rtol); tokens/s (median of the timed steps after warm-up) and the largest
+   peak memory of any process are reported.
+
 Writes ``<out>/gpu.md`` and ``gpu.json`` (default ``bench/results``). A configuration
 that would run past ``--budget-s`` is skipped and listed as skipped.
 """
@@ -43,9 +51,11 @@ CHECK = dict(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden
 TINY = dict(vocab_size=257, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 STRATEGIES = ["plain", "plain-compile", "fsdpv2", "fsdpv2-compile"]
+STAGES = ["stages-fsdpv2", "stages-pipeline"]
 CHECKED = ["plain", "pattern1", "fsdpv2"]
 NAMES = {"plain": "plain PyTorch", "plain-compile": "plain PyTorch + torch.compile", "fsdpv2": "torchspmd FSDPv2",
-         "fsdpv2-compile": "torchspmd FSDPv2, compile=True", "pattern1": "Pattern 1 (no wrapper)"}
+         "fsdpv2-compile": "torchspmd FSDPv2, compile=True", "pattern1": "Pattern 1 (no wrapper)",
+         "stages-fsdpv2": "FSDPv2 over the N devices", "stages-pipeline": "ts.pipeline, N stages (1f1b)"}
 # Dense bf16 peak FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
              "A10G": 70e12, "RTX 4090": 165e12, "B200": 2250e12}
@@ -69,6 +79,69 @@ def _batches(vocab: int, steps: int, batch: int, seq: int):
     tokens = torch.randint(0, vocab, (steps * batch, seq + 1), generator=g)
     return torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), batch_size=batch)
+
+
+def stages_worker(a) -> None:
+    """One of ``torchspmd run --nproc N``'s processes: FSDPv2 over the N devices, or N
+    pipeline stages; rank 0 writes the result."""
+    import functools
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import torchspmd as ts
+
+    ts.use_spmd(backend=a.device)
+    n = ts.global_runtime_device_count()
+    model, layer_cls = _model(TINY if a.tiny else CHECK, a.seq, torch.float32)
+    model = model.to(ts.device())
+    vocab = model.config.vocab_size
+    batches = [(x.to(ts.device()), y.to(ts.device())) for x, y in _batches(vocab, a.steps, a.batch, a.seq)]
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+
+    if a.strategy == "stages-pipeline":
+        runner = ts.pipeline(model, ts.Mesh(np.arange(n), (n,), ("pipeline",)), split=layer_cls,
+                             microbatches=2 * n, example_inputs=batches[0][0])
+        params = list(runner.parameters())
+
+        def step(x, y):
+            return runner.step(x, y, loss_fn)
+    else:
+        mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+        policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
+        model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
+        spec = ts.ShardingSpec(mesh, ("fsdp", None))
+        params = list(model.parameters())
+
+        def step(x, y):
+            loss = loss_fn(model(input_ids=ts.shard_batch(x, spec)).logits, ts.shard_batch(y, spec))
+            loss.backward()
+            return loss
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    cuda = ts.device().type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else -1.0], device=ts.device())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if ts.global_ordinal() == 0:
+        Path(a.result).write_text(json.dumps({
+            "strategy": a.strategy, "losses": losses, "processes": n,
+            "tokens_per_s": a.batch * a.seq / statistics.median(times) if times else None,
+            "peak_mem_gb": float(peak) if cuda else None,
+            "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()}))
 
 
 def worker(a) -> None:
@@ -127,19 +200,23 @@ def worker(a) -> None:
     }))
 
 
-def _launch(a, strategy: str, phase: str, dtype: str, steps: int, batch: int, seq: int, timeout: float):
+def _launch(a, strategy: str, phase: str, dtype: str, steps: int, batch: int, seq: int, timeout: float,
+            procs: int = 0):
     out = Path(a.out) / f".{phase}-{strategy}.json"
-    cmd = [sys.executable, __file__, "--worker", strategy, "--phase", phase, "--dtype", dtype, "--device", a.device,
+    run = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(procs)] if procs else [sys.executable]
+    cmd = [*run, __file__, "--worker", strategy, "--phase", phase, "--dtype", dtype, "--device", a.device,
            "--steps", str(steps), "--warmup", str(a.warmup if phase == "measure" else 0), "--batch", str(batch),
            "--seq", str(seq), "--result", str(out)] + (["--tiny"] if a.tiny else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RANK", None)
+    if procs and a.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // procs))
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
         return {"strategy": strategy, "error": f"stopped after {timeout:.0f} s (the budget)"}
     if r.returncode != 0:
-        return {"strategy": strategy, "error": (r.stderr or r.stdout).strip().splitlines()[-1][:300]}
+        return {"strategy": strategy, "error": ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1][:300]}
     row = json.loads(out.read_text())
     out.unlink()
     return row
@@ -168,11 +245,14 @@ def main() -> None:
     p.add_argument("--worker")
     p.add_argument("--phase", default="measure")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--stages-procs", type=int, default=None,
+                   help="processes (devices) of the stages comparison; default: every GPU when there are 2 or more "
+                        "(none on CPU)")
     p.add_argument("--result")
     a = p.parse_args()
     if a.worker:
         a.strategy = a.worker
-        return worker(a)
+        return stages_worker(a) if a.worker in STAGES else worker(a)
     if a.device == "cuda":
         import torch
 
@@ -204,6 +284,29 @@ def main() -> None:
                 rows.append({"strategy": s, "error": "skipped: the time budget was spent"})
                 continue
             rows.append(_launch(a, s, "measure", "bfloat16", a.steps, a.batch, 64 if a.tiny else a.seq, left()))
+    # 3. Stages: FSDPv2 over N devices against N pipeline stages.
+    procs = a.stages_procs
+    if procs is None:
+        import torch
+
+        procs = torch.cuda.device_count() if a.device == "cuda" and torch.cuda.device_count() >= 2 else 0
+    stages, stage_verdict = [], None
+    if procs >= 2:
+        stage_batch, stage_seq = max(a.batch, 2 * procs), 32 if a.tiny else 256
+        for s in STAGES:
+            if left() < 30:
+                stages.append({"strategy": s, "error": "skipped: the time budget was spent"})
+                continue
+            stages.append(_launch(a, s, "stages", "float32", max(a.steps, a.warmup + 2), stage_batch, stage_seq,
+                                  left(), procs))
+        got = [r.get("losses") for r in stages]
+        if None in got:
+            stage_verdict = ("error", next(r.get("error") for r in stages if r.get("error")))
+        else:
+            rel = max(abs(x - r) / abs(r) for x, r in zip(got[1], got[0]))
+            stage_verdict = ("pass" if rel <= CHECK_RTOL["float32"] and len(got[0]) == len(got[1]) else "FAIL",
+                             f"max relative loss difference {rel:.2e}")
+        verdicts["stages-pipeline"] = stage_verdict
     device_name = next((r["device_name"] for r in [*check.values(), *rows] if r.get("device_name")), "?")
     peak = _peak_flops(device_name, a.peak_tflops)
     shape = TINY if a.tiny else MEASURE
@@ -215,7 +318,7 @@ def main() -> None:
         f"## Check: world size 1, {a.check_dtype}, 4 steps, losses against plain PyTorch (rtol {rtol:g})", "",
         "| program | result | detail |", "|---|---|---|"]
     for s, (verdict, detail) in verdicts.items():
-        lines.append(f"| {NAMES[s]} | {verdict} | {detail} |")
+        lines.append(f"| {NAMES[s].replace('N', str(procs))} | {verdict} | {detail} |")
     if rows:
         lines += ["", f"## Measure: Llama {shape}, bf16, AdamW, {a.batch} x {seq} tokens per step, median of "
                       f"{a.steps - a.warmup} timed steps after {a.warmup} warm-up", "",
@@ -230,10 +333,23 @@ def main() -> None:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (peak unknown)"
             mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "n/a"
             lines.append(f"| {NAMES[r['strategy']]} | {r['tokens_per_s']:.0f} | {mfu} | {mem} | {r['params'] / 1e6:.1f}M |")
+    if stages:
+        lines += ["", f"## Stages: {procs} processes, Llama {TINY if a.tiny else CHECK} in float32, global batch "
+                      f"{max(a.batch, 2 * procs)} x {32 if a.tiny else 256} tokens, {2 * procs} micro-batches; losses "
+                      f"against FSDPv2's (rtol {CHECK_RTOL['float32']:g}): {stage_verdict[0]}, {stage_verdict[1]}", "",
+                  "| strategy | tokens/s | largest peak memory of a process (GB) |", "|---|---|---|"]
+        for r in stages:
+            if r.get("error"):
+                lines.append(f"| {NAMES[r['strategy']].replace('N', str(procs))} | {r['error']} | |")
+                continue
+            mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "n/a"
+            lines.append(f"| {NAMES[r['strategy']].replace('N', str(procs))} | {r['tokens_per_s']:.0f} | {mem} |")
+    elif a.device == "cuda":
+        lines += ["", "## Stages: skipped (one GPU here; they need 2 or more)"]
     text = "\n".join(lines) + "\n"
     (Path(a.out) / "gpu.md").write_text(text)
     (Path(a.out) / "gpu.json").write_text(json.dumps({"check": check, "verdicts": verdicts, "measure": rows,
-                                                       "peak_flops": peak}, indent=1))
+                                                       "stages": stages, "peak_flops": peak}, indent=1))
     print(text)
     if any(v[0] != "pass" for v in verdicts.values()):
         sys.exit(1)

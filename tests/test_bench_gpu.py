@@ -28,6 +28,16 @@ def test_check_runs_on_cpu(tmp_path):
     assert "| Pattern 1 (no wrapper) | pass |" in (tmp_path / "gpu.md").read_text()
 
 
+def test_stages_against_fsdpv2_on_cpu(tmp_path):
+    """The multi-device entry: 2 pipeline stages against FSDPv2 over 2 processes, same losses."""
+    r, result = _check(tmp_path, "--device", "cpu", "--tiny", "--check-dtype", "float32", "--stages-procs", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert result["verdicts"]["stages-pipeline"][0] == "pass", result["verdicts"]
+    assert [s["strategy"] for s in result["stages"]] == ["stages-fsdpv2", "stages-pipeline"]
+    assert all(s["tokens_per_s"] > 0 and len(s["losses"]) >= 3 for s in result["stages"])
+    assert "| ts.pipeline, 2 stages (1f1b) |" in (tmp_path / "gpu.md").read_text()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_check_on_cuda(tmp_path, dtype):
