@@ -163,6 +163,19 @@ def test_local_jsonl_data_bf16_and_a_pretrained_model_with_meta_init(tmp_path):
         assert not any(row["eval_loss"] for row in csv.DictReader(f))
 
 
+def test_the_seed_decoder_in_stages_with_the_model_axis_trains_as_without(tmp_path):
+    """--model.name seed at (pipeline 2, model 2) on 4 devices: its attention split by heads
+    (nn.MultiheadAttention, traced), MLP pairs, embedding and LM head over 'model' in each
+    stage; the losses are the 2-device job's without either."""
+    run = ("--model.name", "seed", "--optim.max_steps", "3")
+    train(tmp_path / "plain", *run)
+    train(tmp_path / "3d", *run, "--mesh.pipeline", "2", "--mesh.model", "2", devices=4)
+    want, got = losses(tmp_path / "plain"), losses(tmp_path / "3d")
+    assert sorted(got) == [1, 2, 3]
+    for s in got:
+        assert got[s] == pytest.approx(want[s], rel=1e-5)
+
+
 def test_a_short_run_adapts_the_defaults_it_contradicts(tmp_path):
     """--optim.max_steps 3 alone, on one device: the default warm-up (20 steps) becomes a tenth
     of the run, said under the printed config; the same warm-up set by the user is refused."""
