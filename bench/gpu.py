@@ -222,6 +222,18 @@ def _launch(a, strategy: str, phase: str, dtype: str, steps: int, batch: int, se
     return row
 
 
+def _gb(r: dict) -> str:
+    return f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "n/a"
+
+
+def _table_row(name: str, r: dict, cells, width: int) -> str:
+    """A result's table row: its name, tokens/s and the ``width`` cells ``cells(r)``; or its
+    error and ``width`` blank cells."""
+    if r.get("error"):
+        return f"| {name} | {r['error']} |" + " |" * width
+    return f"| {name} | {r['tokens_per_s']:.0f} | " + " | ".join(cells(r)) + " |"
+
+
 def _peak_flops(name: str, override: float | None) -> float | None:
     if override:
         return override * 1e12
@@ -324,26 +336,20 @@ def main() -> None:
                       f"{a.steps - a.warmup} timed steps after {a.warmup} warm-up", "",
                   "| strategy | tokens/s | MFU | peak memory (GB) | parameters |", "|---|---|---|---|---|"]
         for r in rows:
-            if r.get("error"):
-                lines.append(f"| {NAMES[r['strategy']]} | {r['error']} | | | |")
-                continue
-            layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
-            flops_per_token = 6 * r["params"] + 12 * layers * hidden * seq
-            r["mfu"] = flops_per_token * r["tokens_per_s"] / peak if peak else None
-            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (peak unknown)"
-            mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "n/a"
-            lines.append(f"| {NAMES[r['strategy']]} | {r['tokens_per_s']:.0f} | {mfu} | {mem} | {r['params'] / 1e6:.1f}M |")
+            if not r.get("error"):
+                layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+                flops_per_token = 6 * r["params"] + 12 * layers * hidden * seq
+                r["mfu"] = flops_per_token * r["tokens_per_s"] / peak if peak else None
+            lines.append(_table_row(NAMES[r["strategy"]], r, lambda r: [
+                f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (peak unknown)", _gb(r),
+                f"{r['params'] / 1e6:.1f}M"], 3))
     if stages:
         lines += ["", f"## Stages: {procs} processes, Llama {TINY if a.tiny else CHECK} in float32, global batch "
                       f"{max(a.batch, 2 * procs)} x {32 if a.tiny else 256} tokens, {2 * procs} micro-batches; losses "
                       f"against FSDPv2's (rtol {CHECK_RTOL['float32']:g}): {stage_verdict[0]}, {stage_verdict[1]}", "",
                   "| strategy | tokens/s | largest peak memory of a process (GB) |", "|---|---|---|"]
         for r in stages:
-            if r.get("error"):
-                lines.append(f"| {NAMES[r['strategy']].replace('N', str(procs))} | {r['error']} | |")
-                continue
-            mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "n/a"
-            lines.append(f"| {NAMES[r['strategy']].replace('N', str(procs))} | {r['tokens_per_s']:.0f} | {mem} |")
+            lines.append(_table_row(NAMES[r["strategy"]].replace("N", str(procs)), r, lambda r: [_gb(r)], 1))
     elif a.device == "cuda":
         lines += ["", "## Stages: skipped (one GPU here; they need 2 or more)"]
     text = "\n".join(lines) + "\n"

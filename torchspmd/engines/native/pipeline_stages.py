@@ -726,6 +726,18 @@ def _plain_stand_ins(model: nn.Module):
             module._parameters[leaf] = p
 
 
+def _edit_graphs(stage: nn.Module, edit: Callable[[torch.fx.Graph], bool]) -> None:
+    """Apply ``edit`` to each graph of a stage's modules (the stage's and its outlined
+    submodules'); a graph it changed (``edit`` returns True) is regenerated."""
+    for m in stage.modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph) and edit(graph):
+            if isinstance(m, torch.fx.GraphModule):
+                m.recompile()
+            elif callable(getattr(m, "finalize", None)):  # torch.export's InterpreterModule
+                m.finalize()
+
+
 def _drop_metadata_checks(stage: nn.Module) -> None:
     """Remove the trace's ``aten._assert_tensor_metadata`` nodes (checks of a tensor's dtype
     and device, results unused) from a stage's graphs: DTensor has no rule for them, and the
@@ -733,20 +745,14 @@ def _drop_metadata_checks(stage: nn.Module) -> None:
     check = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
     if check is None:
         return
-    for m in stage.modules():
-        graph = getattr(m, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        dropped = False
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is check.default and not node.users:
-                graph.erase_node(node)
-                dropped = True
-        if dropped:
-            if isinstance(m, torch.fx.GraphModule):
-                m.recompile()
-            elif callable(getattr(m, "finalize", None)):  # torch.export's InterpreterModule
-                m.finalize()
+
+    def drop(graph) -> bool:
+        found = [n for n in graph.nodes if n.op == "call_function" and n.target is check.default and not n.users]
+        for node in found:
+            graph.erase_node(node)
+        return bool(found)
+
+    _edit_graphs(stage, drop)
 
 
 class _Summed(torch.autograd.Function):
@@ -778,22 +784,17 @@ def _reduce_lookups_at_once(stage: nn.Module) -> None:
     lookup in a table split by vocabulary leaves each process's rows masked and a sum
     pending, whose mask DTensor keeps for one reduction only, and the traced graph may use
     the lookup twice (transformers' decoders: the residual and the norm)."""
-    for m in stage.modules():
-        graph = getattr(m, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        changed = False
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default and node.users:
-                with graph.inserting_after(node):
-                    whole = graph.call_function(_whole_if_partial, (node,))
-                node.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
-                changed = True
-        if changed:
-            if isinstance(m, torch.fx.GraphModule):
-                m.recompile()
-            elif callable(getattr(m, "finalize", None)):
-                m.finalize()
+
+    def reduce(graph) -> bool:
+        found = [n for n in graph.nodes
+                 if n.op == "call_function" and n.target is torch.ops.aten.embedding.default and n.users]
+        for node in found:
+            with graph.inserting_after(node):
+                whole = graph.call_function(_whole_if_partial, (node,))
+            node.replace_all_uses_with(whole, delete_user_cb=lambda user, whole=whole: user is not whole)
+        return bool(found)
+
+    _edit_graphs(stage, reduce)
 
 
 def _is_unit(module: nn.Module) -> bool:
