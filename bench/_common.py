@@ -125,6 +125,15 @@ def write_result(result: str, strategy: str, tokens_per_step: int, times: list[f
     }))
 
 
+def write_report(out: Path, stem: str, lines: list[str], data) -> None:
+    """``<out>/<stem>.md`` (the report's ``lines``) and ``<out>/<stem>.json`` (``data``), and
+    the report on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print("\n".join(lines))
+
+
 class PeakMemory:
     """The peak physical memory of a running process tree: sampled every ``interval``
     seconds, the sum over the root and all its descendants of their PSS (proportional set

@@ -25,12 +25,11 @@ default bench/results).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from pathlib import Path
 
-from _common import per_process_loader, run_worker, timed_steps, write_result
+from _common import per_process_loader, run_worker, timed_steps, write_report, write_result
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(vocab_size=3200, dim=256, num_layers=4, num_heads=4, intermediate_size=1024, max_seq_len=64)
@@ -141,10 +140,7 @@ def main() -> None:
                  if ratios and strategy != "ddp" else "")
         lines.append(f"| {names[strategy]} | {nproc} | {row['tokens_per_s']:.0f} | {min(tps):.0f}-{max(tps):.0f} | "
                      f"{vs} | {spread} | {count} | {row['peak_rss_gb']:.2f} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_parallel.md").write_text("\n".join(lines) + "\n")
-    (args.out / "data_parallel.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines))
+    write_report(args.out, "data_parallel", lines, rows)
 
 
 if __name__ == "__main__":

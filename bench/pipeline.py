@@ -59,7 +59,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import run_worker
+from _common import run_worker, write_report
 
 HERE = Path(__file__).resolve().parent
 MODEL = {"vocab_size": 3200, "dim": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024,
@@ -318,10 +318,7 @@ def main() -> None:
                    "the 4 processes, median over the timed steps. The formula assumes equal stages and free "
                    "communication; 4 processes share the cores here, so a waiting process lends its core to the "
                    "others (see the module docstring of bench/pipeline.py).")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.md").write_text("\n".join(lines) + "\n")
-    (args.out / "pipeline.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines))
+    write_report(args.out, "pipeline", lines, rows)
 
 
 if __name__ == "__main__":
