@@ -47,9 +47,41 @@ def test_fsdpv2_prediction_within_15_percent_of_a_measured_run(tmp_path, devices
     assert predicted["DDP"]["total"] > fsdp > predicted["FSDPv2 + checkpointing"]["total"]
 
 
+def _measure_stages(config_dir, devices, fsdp, batch, seq, microbatches, schedule, out):
+    """The largest peak growth over the processes of a run of ``torchspmd.pipeline`` stages
+    ('pipeline' devices / fsdp x 'fsdp' fsdp), fp32 AdamW, as _measure's environment."""
+    env = clean_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", TORCHSPMD_SHARED_PARAMS="0")
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(devices),
+                        str(ROOT / "tests" / "_plan_worker.py"), "stages", str(config_dir), str(batch), str(seq), "3",
+                        str(out), str(fsdp), str(microbatches), schedule],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(Path(out).read_text())
+    assert sorted({k for rank in result["ranks"] for k in rank["stages"]}) == [0, 1]
+    return result["peak_growth"]
+
+
+@pytest.mark.parametrize("devices,fsdp,microbatches,schedule", [(2, 1, 2, "1f1b"), (4, 2, 2, "1f1b"),
+                                                                (2, 1, 4, "gpipe")])
+def test_stage_prediction_within_15_percent_of_a_measured_run(tmp_path, devices, fsdp, microbatches, schedule):
+    """Two pipeline stages of the Llama above (alone, or with 'fsdp' 2 inside each): the
+    larger stage's predicted peak against the largest measured over the processes (the
+    peak of the training steps, over the memory before the model was built: see
+    _plan_worker.stages)."""
+    _config(tmp_path / "model")
+    batch, seq = 8, 128
+    measured = _measure_stages(tmp_path / "model", devices, fsdp, batch, seq, microbatches, schedule,
+                               tmp_path / "peak.json")
+    predicted = estimate(model_facts(str(tmp_path / "model"), "fp32"), devices, batch, seq, "fp32", "adamw",
+                         pipeline=2, microbatches=microbatches, schedule=schedule)["FSDPv2"]
+    assert predicted["microbatches"] == microbatches
+    assert abs(predicted["total"] - measured) / measured <= 0.15, (predicted["total"] / 2**20, measured / 2**20,
+                                                                   predicted)
+
+
 def test_stages_and_model_axis_divide_what_each_device_holds():
-    """The prediction's parts with a 'model' axis and pipeline stages (their sum is not
-    checked against a measured run: see plan.stages_estimate)."""
+    """The prediction's parts with a 'model' axis and pipeline stages (the stages' sum is
+    checked against measured runs above)."""
     from torchspmd.train.config import bubble
 
     facts = model_facts("tiny", "fp32")

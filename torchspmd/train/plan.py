@@ -32,8 +32,9 @@ element, optimizer with ``k`` fp32 states per parameter):
   one being computed), which meet the root unit's gathered parameters (kept from forward
   to backward): ``4 * b * seq * vocab * 4``.
 
-The test suite checks the FSDPv2 prediction against the measured peak of real training
-runs on CPU processes (within 15%).
+The test suite checks the FSDPv2 prediction, and that of pipeline stages
+(:func:`stages_estimate`), against the measured peak of real training runs on CPU
+processes (within 15%).
 """
 
 from __future__ import annotations
@@ -259,6 +260,19 @@ def _in_flight(schedule: str, p: int, m: int) -> tuple[float, float]:
     return first, last
 
 
+def _in_flight_later(schedule: str, p: int, m: int) -> tuple[float, float]:
+    """(first, last): as :func:`_in_flight`, at the start of a later backward, when the
+    earlier micro-batches' gradients are held: gpipe one fewer (no forward runs between
+    its backwards); the others run a forward before each backward while micro-batches
+    remain, so they hold their warm-up's count again (one fewer when the warm-up took every
+    micro-batch). 0: a single micro-batch, no later backward."""
+    if schedule == "gpipe":
+        return m - 1, m - 1
+    v = stages_per_process(schedule)
+    first, last = _in_flight(schedule, p, m)
+    return min(first, (v * m - 1) / v), min(last, (v * m - 1) / v)
+
+
 def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str = "fp32",
              optimizer: str = "adamw", grad_accum: int = 1, *, model: int = 1, pipeline: int = 1,
              microbatches: int = 0, schedule: str = "1f1b") -> dict[str, dict[str, float]]:
@@ -342,14 +356,18 @@ def stages_estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype
     - FSDP keeps the stage's units gathered from their forward to their backward (as the
       runner does), so the whole stage is gathered through the step (compute dtype);
       without 'fsdp' (one process per stage and 'model' block) nothing is gathered;
-
-    Unlike FSDPv2's, this prediction is not checked against measured runs: it leaves out
-    that every process builds the whole model before the split (the runner frees what its
-    stages do not use, which a CPU process's allocator may keep) and the optimizer step's
-    temporaries over a stage's unsharded parameters.
     - activations: one micro-batch's (``rows / microbatches`` rows) per micro-batch in
-      flight (:func:`_in_flight`), plus the received activation and its gradient;
-    - the last stage's loss: the logits buffers of the micro-batches in flight there.
+      flight, plus the received activation and its gradient;
+    - the last stage's loss: the logits buffers of the micro-batches in flight there;
+    - gradients: the stage's whole (unsharded: torch's schedules reduce-scatter them over
+      'fsdp' after the last micro-batch's backward only) fp32 gradients, from the first
+      micro-batch's backward to the end of the step.
+
+    The peak is the largest of: the first backward (:func:`_in_flight` micro-batches in
+    flight, no gradients yet unless an earlier micro-step left its sharded ones), a later
+    backward (:func:`_in_flight_later` micro-batches in flight, and the gradients), and the
+    end of the step (the gradients, whole and sharded). The test suite checks it against
+    the measured peak of real runs on CPU processes (within 15%), as FSDPv2's.
 
     Parts add ``"bubble"`` (the schedule's idle share by its formula, a fraction) and
     ``"microbatches"``."""
@@ -371,20 +389,43 @@ def stages_estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype
     tokens = rows // m * seq  # one micro-batch's
     layers = math.ceil(facts.layers / pipeline)
     first, last = _in_flight(schedule, pipeline, m)
+    first_later, last_later = _in_flight_later(schedule, pipeline, m)
     per_micro = tokens * (layers * facts.act_layer + facts.act_root)
     boundary = 2 * tokens * facts.hidden * c  # the received activation and its gradient
     known = facts.first_params or facts.last_params
-    ends = []
-    for held, loss_micro, outside in ((first, 0, facts.first_params if known else facts.root_params),
-                                      (last, 1 if schedule != "gpipe" else m, facts.last_params if known
-                                       else facts.root_params)):
+    candidates = []
+    for held, later, is_last, outside in (
+            (first, first_later, False, facts.first_params if known else facts.root_params),
+            (last, last_later, True, facts.last_params if known else facts.root_params)):
         stage = layers * facts.layer_params + outside
         shard = stage / (dp * model)
         # (without 'fsdp' inside the stages there is no FSDP: nothing gathered)
         gathered = c * stage / model + (c + 4) * max(facts.layer_params, outside) / model if dp > 1 else 0.0
-        loss = (loss_micro + 3) * tokens * facts.vocab * 4 if loss_micro else 0.0
-        ends.append(_peak((4 + 4 * k) * shard, 4 * shard, gathered, held * per_micro + boundary, loss, grad_accum > 1))
-    out = dict(max(ends, key=lambda e: e["total"]))
+        whole_grads = 4 * stage / model
+        # an earlier micro-step's gradients: FSDP's sharded ones beside the whole being accumulated
+        # (without 'fsdp' they are the same tensors)
+        earlier = 4 * shard if grad_accum > 1 and dp > 1 else 0.0
+        first_grads = whole_grads if grad_accum > 1 and dp == 1 else earlier
+        base = {"parameters + optimizer": (4 + 4 * k) * shard}
+
+        def loss(micro: float) -> float:
+            """The last stage's logits of the micro-batches in flight (gpipe: all; the others: the
+            last virtual stage's one) and the cross-entropy's backward buffers."""
+            held_logits = micro if schedule == "gpipe" else min(micro, 1)
+            return (held_logits + 3) * tokens * facts.vocab * 4 if is_last and held_logits else 0.0
+
+        start = {**base, **({"accumulated gradients": first_grads} if first_grads else {}),
+                 "gathered + buffers": gathered, "activations": held * per_micro + boundary,
+                 "logits, loss buffers": loss(held)}
+        candidates.append(start)
+        if later > 0:
+            candidates.append({**base, "gradients": whole_grads + earlier, "gathered + buffers": gathered,
+                               "activations": later * per_micro + boundary, "logits, loss buffers": loss(later)})
+        candidates.append({**base, "gradients": whole_grads + (4 * shard if dp > 1 else 0.0),
+                           "gathered + buffers": gathered})
+    for cand in candidates:
+        cand["total"] = sum(cand.values())
+    out = dict(max(candidates, key=lambda e: e["total"]))
     out["bubble"] = bubble(pipeline, schedule, m)
     out["microbatches"] = m
     return out

@@ -454,7 +454,9 @@ class PipelineRunner:
         # (the stages' plain tensors are replicas over 'model' by construction: not checked while they run)
         with self._own_random_stream(), replicas.trusted():
             if kind == "step":
-                schedule.step(*args, **kwargs)
+                # (the last stage's outputs are not returned: kept, torch would hold every micro-batch's
+                # logits through the step and concatenate them at its end, memory the loss does not need)
+                schedule.step(*args, **kwargs, **_no_outputs(schedule))
             else:
                 schedule.eval(*args, **kwargs)
         if kind == "step":
@@ -645,6 +647,13 @@ def _ordered(names, held, others, parts) -> list[str]:
     before = [o for o in others if position[o] < first_layer]
     after = [o for o in others if position[o] > first_layer]
     return before + parts + after
+
+
+def _no_outputs(schedule) -> dict:
+    """``return_outputs=False`` where the schedule's ``step`` takes it."""
+    import inspect
+
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
