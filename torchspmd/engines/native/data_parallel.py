@@ -10,7 +10,10 @@ all plain (replicated) and that is called with a batch split over the data axes 
 checked once per kind of call (its first call runs through DTensor, which records
 every redistribution); when that forward needed none and returned batch-split outputs,
 each process's rows were computed from its own rows alone, so later calls of that kind
-compute locally with DDP's reducer, and give the same values.
+compute locally with DDP's reducer, and give the same values. When DTensor did
+redistribute, the module may still be row-local in a layout DTensor cannot express
+(``nn.MultiheadAttention`` returning its weights): ``row_locality.probe`` decides then, by
+running the module on this process's rows with the other rows changed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import patches
-from torchspmd.engines.native import global_mode
+from torchspmd.engines.native import global_mode, row_locality
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.module_edges import (
     inputs_to_local,
@@ -352,9 +355,14 @@ class _AutoState:
 
         map_tensors(output, out_tensor, out_other)
         if not seen or any(t is None or not isinstance(t, DTensor) or t.device_mesh != dmesh
-                           or tuple(t.placements) != placements or t.dim() == 0 or t.shape[0] != rows
-                           for t in seen):
+                           or t.dim() == 0 or t.shape[0] != rows for t in seen):
             ok = False
+        elif ok and any(tuple(t.placements) != placements for t in seen):
+            ok = False  # (no redistribution, yet an output not split as the batch: not row-local)
+        elif not ok and _eligible_module(module):
+            # DTensor redistributed: its layouts cannot express every row-local computation
+            # (row_locality's docstring). Probe the module on this process's rows.
+            ok = _probe_rows(module, args, kwargs, dmesh, data_dims)
         if ok and torch.is_grad_enabled():
             reached = _reached_params(output)
             trainable = [p for p in module.parameters() if p.requires_grad]
@@ -450,6 +458,20 @@ class _AutoState:
             output = self.using_ddp._post_forward(output)
             self.using_ddp = None
         return outputs_to_global(output, self.layout, "torchspmd (automatic data parallelism)")
+
+
+def _probe_rows(module: nn.Module, args: tuple, kwargs: dict, dmesh, data_dims: list[int]) -> bool:
+    """``row_locality.probe`` on this process's rows, computed locally as the path would."""
+    local_args, local_kwargs, layout = inputs_to_local(args, kwargs, dmesh, data_dims, "torchspmd")
+    if layout is None:
+        return False
+    aside = _global_hooks_aside()
+    suspended = global_mode.suspend()
+    try:
+        return row_locality.probe(module, local_args, local_kwargs, layout.local_rows)
+    finally:
+        global_mode.resume(suspended)
+        _global_hooks_back(aside)
 
 
 def _global_pre(module, args):
