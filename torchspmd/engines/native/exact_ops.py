@@ -6,7 +6,8 @@ rows (or different numbers of ignored labels), and some refuse uneven splits. He
 device sums its part, the sum stays a pending ``Partial`` reduction, and the division uses
 the global element count (or the global weight of non-ignored targets): the loss and its
 gradients equal one device's. Random ops on sharded values draw each shard's own numbers;
-``view`` of unevenly split rows, ``mean`` and ``item()`` are exact too. The handlers go into
+``view`` of unevenly split rows, ``mean`` and ``item()`` are exact too; batch norm with
+running statistics normalizes each device's rows. The handlers go into
 DTensor's table of custom op handlers (``torchspmd.patches.dtensor.OP_HANDLERS``).
 """
 
@@ -332,6 +333,49 @@ def _per_row(op, args, kwargs):
     return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
 
+def _rows_split(x: Any) -> bool:
+    """Whether ``x`` is a DTensor split on dim 0 only (replicated over its other axes)."""
+    return isinstance(x, DTensor) and x.ndim > 0 and any(p.is_shard(0) for p in x.placements) \
+        and all(p.is_shard(0) or p.is_replicate() for p in x.placements)
+
+
+def _whole(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return _settle(x).redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+    return x
+
+
+def _batch_norm_eval(op, args, kwargs):
+    """Batch norm with running statistics (``native_batch_norm`` with ``training=False``,
+    ``_native_batch_norm_legit_no_training``) on rows split over the devices: each row on its
+    own, so each device normalizes its rows. (DTensor's own rule moves the split to the
+    channels, which the convolution after it mishandles.)"""
+    x = args[0]
+    training = op is aten.native_batch_norm.default and (len(args) < 6 or args[5])
+    if kwargs or training or not _rows_split(x):
+        return _default(op, args, kwargs)
+    out, *stats = op(x.to_local(), *[_whole(a) for a in args[1:]])
+    mesh = x.device_mesh
+    wrapped = _wrap(out, mesh, x.placements, tuple(x.shape))
+    return (wrapped, *(_wrap(t, mesh, [Replicate()] * mesh.ndim, tuple(t.shape)) for t in stats))
+
+
+def _batch_norm_eval_backward(op, args, kwargs):
+    """The backward of batch norm with running statistics (``train=False``) on rows split over
+    the devices: each device's rows' input gradient; the weight's and bias's gradients are
+    sums over the rows, pending (``Partial``) until reduced."""
+    grad_out, x, train = args[0], args[1], args[7]
+    if kwargs or train or not (_rows_split(x) and _rows_split(grad_out)) \
+            or tuple(grad_out.placements) != tuple(x.placements):
+        return _default(op, args, kwargs)
+    grad_x, grad_w, grad_b = op(grad_out.to_local(), x.to_local(), *[_whole(a) for a in args[2:]])
+    mesh = x.device_mesh
+    sums = _sum_placements(x)
+    return (None if grad_x is None else _wrap(grad_x, mesh, x.placements, tuple(x.shape)),
+            None if grad_w is None else _wrap(grad_w, mesh, sums, tuple(grad_w.shape)),
+            None if grad_b is None else _wrap(grad_b, mesh, sums, tuple(grad_b.shape)))
+
+
 def _default(op, args, kwargs):
     """DTensor's own handling of ``op`` (bypassing the handler registered here)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
@@ -470,6 +514,9 @@ _HANDLERS: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _per_row,
     aten.mean.default: _mean,
     aten.mean.dim: _mean,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_eval,
+    aten.native_batch_norm.default: _batch_norm_eval,
+    aten.native_batch_norm_backward.default: _batch_norm_eval_backward,
     aten.allclose.default: _whole_comparison,
     aten.equal.default: _whole_comparison,
 }

@@ -154,7 +154,10 @@ class _ReplicateUnannotated(TorchFunctionMode):
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
         if func in _NO_IDENTITY:  # every process computes it whole, as one device would
             args = tuple(_whole_where_a_block_is_empty(a) for a in args)
-        out = func(*args, **kwargs)
+        if func in _RECURRENT:
+            out = _without_onednn(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor):
             _tag_copies(func, args, kwargs, out)
         elif copy is not None:
@@ -216,6 +219,28 @@ def _whole_on_host(func, args, kwargs) -> torch.Tensor:
 
 # Functions that legitimately take a DTensor beside plain tensors.
 _NO_LIFT = {torch.Tensor.__setitem__, torch.Tensor.__getitem__}
+
+# The recurrent layers (nn.LSTM, nn.GRU, nn.RNN). On CPU torch runs them as oneDNN's fused
+# layer (aten.mkldnn_rnn_layer), which DTensor has no rule for; with oneDNN off for the call
+# they decompose into matrix products and pointwise steps, which it has. Batch first, the
+# decomposed GRU and RNN turn their output around in place (aten.transpose_), which DTensor
+# has no rule for either: the call runs time first, between two transposes of our own.
+_RECURRENT = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
+
+
+def _without_onednn(func, args: tuple, kwargs: dict):
+    # (input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first);
+    # the packed-sequence form has no batch_first: (data, batch_sizes, hx, params, ...)
+    batch_first = not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple)) and args[8] is True
+    if batch_first:
+        args = (args[0].transpose(0, 1), *args[1:8], False)
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        torch.backends.mkldnn.enabled = previous
+    return (out[0].transpose(0, 1), *out[1:]) if batch_first else out
 
 # Reductions without an identity: on a process holding no rows they raise ("Expected
 # reduction dim to be specified for input.numel() == 0") where the others do not.
