@@ -61,12 +61,12 @@ def build(tied: bool = False) -> LM:
 
 
 def build_llama() -> nn.Module:
-    """A tiny transformers Llama (3 decoder layers, grouped-query attention, its embedding tied
+    """A tiny transformers Llama (4 decoder layers, grouped-query attention, its embedding tied
     to the LM head), without a KV cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=INTER, num_hidden_layers=3,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=INTER, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          tie_word_embeddings=True, use_cache=False)
     return LlamaForCausalLM(config)

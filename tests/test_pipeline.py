@@ -124,9 +124,13 @@ def _check(results, kind, rows, stages, eps=1e-8):
     ("zero-bubble", "tied", 2, 4),
     ("1f1b", "tied", 4, 4),
     ("1f1b", "llama", 2, 2),
+    ("interleaved-1f1b", "llama", 2, 4),
+    ("zero-bubble", "llama", 2, 4),
 ])
 def test_stages_train_as_one_device(dist, schedule, kind, world, stages):
-    """The loss function is given the last stage's output: a transformers model's logits."""
+    """The loss function is given the last stage's output: a transformers model's logits. A
+    Llama's rotary embeddings, computed before the first layer, are used by every stage: with
+    two stages per process they travel through the stages between."""
     rows, micro = 8, 4
     results = dist(world).run(_train, schedule, kind, rows, micro)
     _check(results, kind, rows, stages)

@@ -348,6 +348,9 @@ class PipelineRunner:
         if pipe.num_stages != self.num_stages:
             raise SpmdError(f"pipeline(split=...): the traced model gave {pipe.num_stages} stages, not "
                             f"{self.num_stages}: a split point the forward pass does not reach")
+        if SCHEDULES[self.schedule_name][1] > 1:
+            # (the single-stage schedules send a value straight to any later stage)
+            _relay_skip_connections(pipe.split_gm)
         stages = []
         for k in self.stage_indices:
             sub = pipe.get_stage_module(k)
@@ -649,16 +652,111 @@ def _ordered(names, held, others, parts) -> list[str]:
     return before + parts + after
 
 
+def _stage_calls(graph) -> dict:
+    """The traced split's top-level stage calls: node -> stage index."""
+    import re
+
+    calls = {}
+    for node in graph.nodes:  # (torch names them submod_<k>, or submod_pp_<k> on newer versions)
+        found = re.fullmatch(r"submod_(?:[a-z]+_)?(\d+)", node.target) if node.op == "call_module" else None
+        if found:
+            calls[node] = int(found.group(1))
+    return calls
+
+
+def _source_call(node):
+    """The stage call whose output ``node`` is (through getitem), or None."""
+    import operator
+
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    return node if node.op == "call_module" else None
+
+
+def _relay_skip_connections(split_gm) -> None:
+    """Make every value a stage sends to a stage two or more further on travel through the
+    stages between instead (each takes it as an input and returns a copy as one more
+    output): torch's schedules with several stages per process send only between adjacent
+    stages. A transformers decoder's rotary position embeddings, computed once before the
+    layers, are such values. The values and their gradients are the same: a copy passes the
+    gradient back unchanged."""
+
+    graph = split_gm.graph
+    calls = _stage_calls(graph)
+    by_index = {k: node for node, k in calls.items()}
+    relayed: dict = {}  # (value node, stage) -> the node of that stage's output carrying it
+    changed = False
+    for dst in sorted(by_index):
+        call = by_index[dst]
+        dst_inputs = [n for n in split_gm.get_submodule(call.target).graph.nodes if n.op == "placeholder"]
+        for i, arg in enumerate(list(call.args)):
+            source = _source_call(arg) if hasattr(arg, "op") else None
+            if source is None or dst - calls[source] <= 1:
+                continue
+            value = arg
+            for k in range(calls[source] + 1, dst):
+                key = (arg, k)
+                if key not in relayed:
+                    relayed[key] = _relay_through(split_gm, by_index[k], value, dst_inputs[i].meta)
+                value = relayed[key]
+            args = list(call.args)  # (as a relay left them: a stage's whole output may now be its item 0)
+            args[i] = value
+            call.args = tuple(args)
+            changed = True
+    if changed:
+        graph.lint()
+        split_gm.recompile()
+
+def _relay_through(split_gm, call, value, meta: dict):
+    """Stage ``call`` takes ``value`` (a top-level node) as an input, unless it already does,
+    and returns a copy of it as its last output; returns the top-level node of that output."""
+    import operator
+
+    import torch.fx as fx
+
+    graph = split_gm.graph
+    sub = split_gm.get_submodule(call.target)
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if value in call.args:
+        held = inputs[list(call.args).index(value)]
+    else:
+        with sub.graph.inserting_after(inputs[-1]):
+            held = sub.graph.placeholder(f"relayed_{value.name}")
+        held.meta = dict(meta)
+        call.args = (*call.args, value)
+    output = next(n for n in sub.graph.nodes if n.op == "output")
+    with sub.graph.inserting_before(output):
+        copy = sub.graph.call_function(torch.ops.aten.clone.default, (held,))
+    copy.meta = dict(meta)
+    outs = output.args[0]
+    several = isinstance(outs, (tuple, list))
+    output.args = ((*outs, copy) if several else (outs, copy),)
+    sub.graph.lint()
+    sub.recompile()
+    getitems = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+    if not several:  # its one output was used whole: now item 0 of two
+        users = list(call.users)
+        with graph.inserting_after(call):
+            first = graph.call_function(operator.getitem, (call, 0))
+        for u in users:
+            u.replace_input_with(call, first)
+        getitems, count = [first], 1
+    else:
+        count = len(outs)
+    # (torch's stage numbers its outputs by the order of these getitem nodes: this one last)
+    last = max(getitems, key=lambda n: list(graph.nodes).index(n)) if getitems else call
+    with graph.inserting_after(last):
+        out: fx.Node = graph.call_function(operator.getitem, (call, count))
+    return out
+
 def _no_outputs(schedule) -> dict:
     """``return_outputs=False`` where the schedule's ``step`` takes it."""
     import inspect
 
     return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
 
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
 
 def _split_over(p: torch.Tensor, axis: str) -> bool:
     """Whether ``p`` (a DTensor) is split over the mesh axis named ``axis``."""
@@ -667,12 +765,10 @@ def _split_over(p: torch.Tensor, axis: str) -> bool:
     names = p.device_mesh.mesh_dim_names or ()
     return axis in names and p.placements[names.index(axis)].is_shard()
 
-
 def _free(p: torch.Tensor) -> None:
     """Release ``p``'s storage (a parameter this process's stages do not use)."""
     local = p._local_tensor if isinstance(p, DTensor) else p
     local.data = torch.empty(0, dtype=local.dtype, device=local.device)
-
 
 def _slots(model: nn.Module):
     """(module, name, parameter) of every parameter slot of ``model``, tied ones included."""
@@ -680,7 +776,6 @@ def _slots(model: nn.Module):
         for leaf, p in list(module._parameters.items()):
             if p is not None:
                 yield module, leaf, p
-
 
 def _onto_stage_meshes(model: nn.Module, mesh, dm, tp) -> None:
     """The model's annotated parameters (DTensors over the whole mesh) made what the stages
@@ -715,7 +810,6 @@ def _onto_stage_meshes(model: nn.Module, mesh, dm, tp) -> None:
             made[id(p)] = new
         module._parameters[leaf] = made[id(p)]
 
-
 @contextlib.contextmanager
 def _plain_stand_ins(model: nn.Module):
     """While the model is traced: its DTensor parameters stood in for by plain tensors of
@@ -734,7 +828,6 @@ def _plain_stand_ins(model: nn.Module):
         for module, leaf, p in swapped:
             module._parameters[leaf] = p
 
-
 def _edit_graphs(stage: nn.Module, edit: Callable[[torch.fx.Graph], bool]) -> None:
     """Apply ``edit`` to each graph of a stage's modules (the stage's and its outlined
     submodules'); a graph it changed (``edit`` returns True) is regenerated."""
@@ -745,7 +838,6 @@ def _edit_graphs(stage: nn.Module, edit: Callable[[torch.fx.Graph], bool]) -> No
                 m.recompile()
             elif callable(getattr(m, "finalize", None)):  # torch.export's InterpreterModule
                 m.finalize()
-
 
 def _drop_metadata_checks(stage: nn.Module) -> None:
     """Remove the trace's ``aten._assert_tensor_metadata`` nodes (checks of a tensor's dtype
@@ -763,7 +855,6 @@ def _drop_metadata_checks(stage: nn.Module) -> None:
 
     _edit_graphs(stage, drop)
 
-
 class _Summed(torch.autograd.Function):
     """A DTensor with pending sums carried out; its gradient whole (pending sums of the
     gradient carried out too), which an embedding lookup's backward takes for any table
@@ -780,13 +871,11 @@ class _Summed(torch.autograd.Function):
             grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
         return grad
 
-
 def _whole_if_partial(t):
     """``t`` with a pending sum over 'model' carried out (an embedding split by vocabulary)."""
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
         return _Summed.apply(t)
     return t
-
 
 def _reduce_lookups_at_once(stage: nn.Module) -> None:
     """After each embedding lookup of a stage's graphs, its pending sum is carried out: a
@@ -805,13 +894,11 @@ def _reduce_lookups_at_once(stage: nn.Module) -> None:
 
     _edit_graphs(stage, reduce)
 
-
 def _is_unit(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard`` made its class a subclass of FSDPModule)."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
 
 def _gradients_laid_out_as_parameters(module, args) -> None:
     """The traced graph computes with DTensors by DTensor's sharding rules, which may leave a
@@ -824,12 +911,10 @@ def _gradients_laid_out_as_parameters(module, args) -> None:
             p.register_hook(functools.partial(_laid_out, p.device_mesh, tuple(p.placements)))
             p._torchspmd_grad_layout = True
 
-
 def _laid_out(mesh, placements, grad):
     if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
         return grad.redistribute(mesh, placements)
     return grad
-
 
 def _plain_outputs(module, args, output):
     """A stage's outputs as plain tensors (whole: gathered over 'model' where split), what
@@ -841,7 +926,6 @@ def _plain_outputs(module, args, output):
     if isinstance(output, (tuple, list)):
         return type(output)(plain(t) for t in output)
     return plain(output)
-
 
 def _unique(model: nn.Module):
     seen = set()
