@@ -62,16 +62,8 @@ def build_model(family: str):
         from torchspmd.models import DecoderModel
 
         return DecoderModel(**sizes), sizes["vocab_size"]
-    if family == "mha":  # the seed document's decoder, as written there
-        class RMSNorm(nn.Module):
-            def __init__(self, dim, eps=1e-6):
-                super().__init__()
-                self.weight = nn.Parameter(torch.ones(dim))
-                self.eps = eps
-
-            def forward(self, x):
-                variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-                return self.weight * x * torch.rsqrt(variance + self.eps)
+    if family == "mha":  # the seed document's decoder layer, as written there (its RMSNorm: torchspmd's)
+        from torchspmd.models.decoder import RMSNorm
 
         class Layer(nn.Module):
             def __init__(self, dim, heads, inter):
