@@ -68,3 +68,35 @@ def test_probe_changes_token_ids_within_their_range_and_reads_keyword_inputs():
 def test_probe_without_anything_to_change_decides_nothing():
     # one row of one token: nothing can be changed, so there is no evidence
     assert probe(nn.Embedding(5, 3), (torch.tensor([[2]]),), {}, 1) is False
+
+
+class _Gathering(nn.Module):
+    """A forward with a collective in it (as an annotation inside forward makes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.reached = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        torch.distributed.all_reduce(h)
+        self.reached = True
+        return h
+
+
+def _probe_a_forward_with_a_collective():
+    import torch.distributed as dist
+
+    rows = 3 - dist.get_rank()  # each process's rows differ in number (an uneven split)
+    model = _Gathering()
+    decided = probe(model, (torch.randn(rows, 5),), {}, rows)
+    return decided, model.reached
+
+
+def test_probe_refuses_a_collective_before_it_starts():
+    # run, the all-reduce would meet the other process with another size (gloo aborts) or not
+    # at all; refused, every process decides "not row-local" and goes on
+    from _clean import run_clean
+
+    assert run_clean(_probe_a_forward_with_a_collective, world=2, allow_torchspmd=True) == [(False, False)] * 2

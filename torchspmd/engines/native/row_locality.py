@@ -17,17 +17,45 @@ The three runs use the same shapes, so the same kernels: a row-local computation
 the same bits for the same row, while a computation that mixes rows (batch statistics,
 a sum over the batch, a cumulative sum) changes them. The runs leave no trace: without
 gradients, with the random number generator and the module's buffers put back, and with
-the automatic path's global hooks set aside (the caller's job; see ``probe``).
+the automatic path's global hooks set aside (the caller's job; see ``probe``). A forward
+that asks for a collective (an annotation inside it, a distributed call) is refused it
+before it starts, and is not row-local by the probe: the other processes do not run it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchspmd.tree import map_tensors
 
 __all__ = ["probe"]
+
+
+class _Collective(Exception):
+    """A probed forward asked for a collective: refused before it starts."""
+
+
+class _NoCollectives(TorchFunctionMode):
+    """``torch.distributed``'s functions raise instead of running. The probe runs on this
+    process's rows, which differ from the others' (an uneven split): a collective there would
+    meet the other processes with other sizes, or not at all."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (getattr(func, "__module__", None) or "").startswith("torch.distributed"):
+            raise _Collective(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class _NoCollectiveOps(TorchDispatchMode):
+    """The same for collective operators (DTensor's redistributions, functional collectives)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d"):
+            raise _Collective(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _changed(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +111,7 @@ def probe(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> bool:
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     base = None
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _NoCollectives(), _NoCollectiveOps():
             rng = torch.get_rng_state()
             for which in (0, 1, 2):
                 a, k, changed = _doubled(args, kwargs, rows, which)
@@ -101,8 +129,8 @@ def probe(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> bool:
                 if len(outs) != len(base) or not all(torch.equal(b[kept], t[kept]) for b, t in zip(base, outs)):
                     return False
                 del outs  # (compared as it comes: at most two runs' outputs held)
-    except Exception:  # noqa: BLE001 - a module that cannot take a doubled batch is not proven row-local
-        return False
+    except Exception:  # noqa: BLE001 - a module that cannot take a doubled batch, or that asks for a
+        return False  # collective (_Collective), is not proven row-local
     finally:
         with torch.no_grad():
             for b, saved in buffers:
