@@ -147,7 +147,7 @@ def _shared_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _shared_file(size: int) -> list:
+def shared_file(size: int) -> list:
     """``[path, None]`` of a new file of ``size`` bytes in :func:`_shared_dir`, its space
     reserved (so that a full ``/dev/shm`` fails here, not with a SIGBUS at first touch), or
     ``[None, reason]``."""
@@ -318,7 +318,7 @@ def _map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]
     rank = group.rank()
     made = [None, None]  # the file's path, or why it could not be made
     if rank == 0:
-        made = _shared_file(size)
+        made = shared_file(size)
     try:
         dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
         if made[1] is not None:

@@ -16,6 +16,9 @@ points every process reaches in the same order, so that the step finds them done
    processes. When the backward pass reaches the loss, its sum is all-reduced
    asynchronously; ``item()`` of the loss then uses the reduced value.
 
+Both sums go through ``shared_sums`` (shared memory when the processes share one
+machine, the group's backend otherwise).
+
 Every decision here depends only on the program (which tensors, which operations, in
 which order), never on timing, so every process takes it alike.
 """
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchspmd.engines.native import global_mode
+from torchspmd.engines.native import global_mode, shared_sums
 from torchspmd.errors import SpmdError
 
 IGNORE_INDEX = -100
@@ -82,7 +85,7 @@ class BatchCounts:
                     self.totals = None
                     return
                 self.processes = dist.get_world_size()
-                self.work = dist.all_reduce(self.totals, async_op=True)
+                self.work = shared_sums.all_reduce(self.totals)
 
     def verify(self) -> None:
         """Wait for the sums (started earlier) and raise, alike on every process, if the
@@ -185,7 +188,7 @@ class _Sum:
     def start(self) -> None:
         if self.value is None:
             self.value = self.local
-            self.work = dist.all_reduce(self.value, group=self.group, async_op=True)
+            self.work = shared_sums.all_reduce(self.value, group=self.group)
 
 
 def _group_of(x: DTensor):
