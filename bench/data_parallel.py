@@ -12,7 +12,9 @@ Same model, same global batch, same optimizer in every strategy:
 - ``pattern1``: the seed's Pattern 1 as written (no wrapper, batches split by
   ``MpDeviceLoader``): torchspmd's automatic data-parallel path;
 - ``pattern1-dtensor``: the same program with that path switched off
-  (``TORCHSPMD_AUTO_REPLICATE=0``): every operation through DTensor.
+  (``TORCHSPMD_AUTO_REPLICATE=0``): every operation through DTensor;
+- ``pattern1-gloo-sums`` (only when asked for): Pattern 1 with the exact loss's two small
+  sums through gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_SUMS=0``).
 
 Families (``--families``; ``FAMILIES`` below has their sizes): ``seed``, the seed document's
 decoder (torchspmd.models); ``mha``, a decoder of ``nn.MultiheadAttention`` (batch first),
@@ -25,8 +27,8 @@ memory is rank 0's peak RSS. Each configuration runs ``--repeats`` times, the st
 interleaved in a rotating order within each round, so that a slow stretch of this shared
 machine falls on all of them; the table gives the median and the min-max over the runs, and
 each strategy's ratio to DDP per round (median, min-max, and in how many rounds it was at
-least 0.95 and at least 1). Writes ``<out>/data_parallel.md`` and ``.json`` (``--out``,
-default bench/results).
+least 0.95 and at least 1), then Pattern 1 against DDP for every family in one table.
+Writes ``<out>/data_parallel.md`` and ``.json`` (``--out``, default bench/results).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def _per_step(family: str) -> int:
 def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> None:
     if strategy == "pattern1-dtensor":
         os.environ["TORCHSPMD_AUTO_REPLICATE"] = "0"
+    if strategy == "pattern1-gloo-sums":
+        os.environ["TORCHSPMD_SHARED_SUMS"] = "0"
     import numpy as np
     import torch
 
@@ -179,7 +183,7 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         write_result(result, strategy, _per_step(family), times)
 
 
-STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor"]
+STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor", "pattern1-gloo-sums"]
 
 
 def _round(args, configs: list, runs: dict, r: int) -> None:
@@ -195,7 +199,8 @@ def _round(args, configs: list, runs: dict, r: int) -> None:
 
 NAMES = {"single": "one process", "ddp": "DDP", "replicate": "ts.replicate",
          "pattern1": "Pattern 1 as written (automatic path)",
-         "pattern1-dtensor": "Pattern 1, automatic path off (DTensor)"}
+         "pattern1-dtensor": "Pattern 1, automatic path off (DTensor)",
+         "pattern1-gloo-sums": "Pattern 1, the loss's sums through gloo (TORCHSPMD_SHARED_SUMS=0)"}
 
 
 def main() -> None:
@@ -205,7 +210,7 @@ def main() -> None:
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES[:5], choices=STRATEGIES)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -226,7 +231,7 @@ def main() -> None:
     command = (f"python bench/data_parallel.py --families {' '.join(args.families)} --repeats {args.repeats} "
                f"--steps {args.steps} --warmup {args.warmup} --nproc {' '.join(map(str, args.nproc))} "
                f"--strategies {' '.join(args.strategies)}"
-               f"{'' if args.out == HERE / 'results' else f' --out {args.out}'}")
+               f"{'' if args.out == HERE / 'results' else f' --out {_shown(args.out)}'}")
     lines = [
         "# Data parallelism: throughput and memory by model family",
         "",
@@ -269,7 +274,30 @@ def main() -> None:
             lines.append(f"| {NAMES[strategy]} | {nproc} | {row['per_s']:.0f} | {min(tps):.0f}-{max(tps):.0f} | "
                          f"{vs} | {spread} | {count} | {row['peak_rss_gb']:.2f} |")
         lines.append("")
-    write_report(args.out, "data_parallel", lines, rows)
+    write_report(args.out, "data_parallel", lines + summary(rows), rows)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as given on the command line: relative to the working directory when inside it."""
+    rel = os.path.relpath(path)
+    return path.as_posix() if rel.startswith("..") else rel
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Pattern 1 against DDP, one line per family and process count (from the report's rows)."""
+    ddp = {(r["family"], r["nproc"]): r for r in rows if r["strategy"] == "ddp"}
+    mine = [r for r in rows if r["strategy"] == "pattern1" and (r["family"], r["nproc"]) in ddp]
+    if not mine:
+        return []
+    lines = ["## Pattern 1 against DDP", "",
+             ("| family | processes | DDP, median of runs | Pattern 1 / DDP, median of rounds | min-max of rounds "
+              "| rounds >= 0.95 |"), "|---|---|---|---|---|---|"]
+    for r in mine:
+        ratios = r["vs_ddp_runs"]
+        lines.append(f"| {r['family']} | {r['nproc']} | {ddp[(r['family'], r['nproc'])]['per_s']:.0f} {r['unit']} | "
+                     f"{r['vs_ddp']:.2f} | {min(ratios):.2f}-{max(ratios):.2f} | "
+                     f"{sum(x >= 0.95 for x in ratios)} of {len(ratios)} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
