@@ -171,6 +171,19 @@ def test_a_lost_connection_is_a_consequence_even_when_recorded_first(tmp_path, m
                                     "by peer [127.0.0.1]:41234 (a lost connection)")
 
 
+def test_a_peer_lost_in_shared_memory_sums_is_a_consequence(tmp_path, monkeypatch):
+    from torchspmd.errors import PeerLost
+
+    lost = _record(tmp_path, monkeypatch, "r0", PeerLost("torchspmd: process 1 (pid 7) ended while this one waited "
+                                                         "for it to start a sum; its own error says why"))
+    none = str(tmp_path / "absent.json")
+    text, _ = failures.summarize({0: ProcessFailure(0, 100, 1, lost), 1: ProcessFailure(1, 101, -9, none)})
+    assert text.splitlines()[:2] == [
+        "torchspmd: rank 1 was killed by SIGKILL",
+        ("torchspmd: rank 0 failed after rank 1 failed: PeerLost: torchspmd: process 1 (pid 7) ended while this one "
+         "waited for it to start a sum; its own error says why (a lost connection)")], text
+
+
 def test_exits_without_a_record(tmp_path, monkeypatch):
     lost = _record(tmp_path, monkeypatch, "r0", GLOO)
     none = str(tmp_path / "absent.json")

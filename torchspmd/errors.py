@@ -8,3 +8,8 @@ class SpmdError(ValueError, AssertionError):
     the same checks with ``assert``: code and tests written for torch_xla that catch
     either keep working. The message names the culprit and says how to fix it.
     """
+
+
+class PeerLost(RuntimeError):
+    """Another process this one waited for has ended, or stopped answering: a consequence
+    of that process's failure (its own error says why), as a collective's lost connection."""

@@ -27,13 +27,15 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 
 from torchspmd.engines.native.topology import all_ranks_output
+from torchspmd.errors import PeerLost
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 # Errors a process gets when a peer it communicates with has gone (or hangs): c10d's own
-# error types, and gloo's transport errors (raised as plain RuntimeError, e.g.
+# error types, torchspmd's (shared_sums), and gloo's transport errors (raised as plain RuntimeError, e.g.
 # "[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer").
-_LOST_CONNECTION_TYPES = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError"}
+_LOST_CONNECTION_TYPES = {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "QueueEmptyError",
+                          PeerLost.__name__}
 _LOST_CONNECTION_TEXT = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
 
 class _Recorder(ErrorHandler):

@@ -27,7 +27,8 @@ group, the dtype and the size, alike on every process.
 
 Waiting polls: it yields the core, then sleeps in growing steps (at most
 ``MAX_SLEEP_S``), and every ``CHECK_S`` checks that the processes it waits for are still
-alive, raising an error that names the rank when one is gone, and the group's timeout.
+alive, raising ``PeerLost`` (counted as a consequence, as a lost connection) naming the rank
+when one is gone, and after the group's timeout.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from torchspmd.engines.native.collectives import shared_file
-from torchspmd.errors import SpmdError
+from torchspmd.errors import PeerLost, SpmdError
 
 RING = 64
 WIDTH = 32
@@ -168,7 +169,7 @@ class _Board:
                 last_check = now
                 self._check_alive(ranks, what)
                 if now - start > self.timeout:
-                    raise SpmdError(
+                    raise PeerLost(
                         f"torchspmd: waited {self.timeout:.0f} s for the other processes {what} of the global "
                         f"loss's sums (through shared memory); a process stopped calling collectives: one "
                         f"may be stuck, or the processes run different programs"
@@ -179,7 +180,7 @@ class _Board:
             if r == self.rank:
                 continue
             if _ended(self.pids[r]):
-                raise SpmdError(
+                raise PeerLost(
                     f"torchspmd: process {dist.get_global_rank(self.group, r)} (pid {self.pids[r]}) ended while "
                     f"this one waited for it {what}; its own error says why"
                 )
