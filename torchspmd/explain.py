@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchspmd.engines.native import redistribution
+from torchspmd.engines.native import redistribution, shared_sums
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import get_global_mesh
 
@@ -430,7 +430,9 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
         tracker = mode.advanced_module_tracker
         return ("backward" if tracker.is_bw else "forward"), _clean_module(tracker.name)
 
-    with mode, warnings.catch_warnings(), redistribution.watching(where) as fallbacks:
+    # The exact loss's small sums as the backend's all-reduces (on one machine a training step
+    # makes them through shared memory: docs/guide.md, "Exact global losses").
+    with mode, warnings.catch_warnings(), redistribution.watching(where) as fallbacks, shared_sums.through_backend():
         # CommDebugMode's module tracker puts a full backward hook on every module; torch warns
         # for each whose inputs need no gradient (the first layer's): the tracker's noise.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -466,6 +468,9 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
                      "module backward reached")
         notes.append("bytes per call: the whole buffer (an all-gather's output, a reduce-scatter's input, an "
                      "all-reduce's tensor), read from the call's tensors")
+        notes.append("the exact loss's small sums (a batch's ignored-target counts, a loss's pending sum) are "
+                     "listed as all-reduces; when the processes share one machine, steps outside explain make "
+                     "them through shared memory")
     seen = sum(c.count for c in collectives)
     if seen != total:  # pragma: no cover - the notes come from the calls CommDebugMode counted
         notes.append(f"{total - seen} of CommDebugMode's {total} calls have no size or group noted")

@@ -33,6 +33,7 @@ when one is gone, and after the group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -210,8 +211,24 @@ def _describe(kind: int) -> str:
 _BOARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _Board, or None: not usable
 
 
+_THROUGH_BACKEND = threading.local()
+
+
+@contextlib.contextmanager
+def through_backend():
+    """Sums started inside go through the backend's all-reduce (``torchspmd.explain`` lists a
+    step's collectives as the backend makes them). Every process must enter it alike."""
+    before = getattr(_THROUGH_BACKEND, "on", False)
+    _THROUGH_BACKEND.on = True
+    try:
+        yield
+    finally:
+        _THROUGH_BACKEND.on = before
+
+
 def _enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
+    return (os.environ.get(SWITCH, "1") != "0" and not getattr(_THROUGH_BACKEND, "on", False)
+            and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 def _board(group) -> _Board | None:
