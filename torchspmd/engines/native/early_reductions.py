@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from torchspmd.engines.native import global_mode, shared_sums
 from torchspmd.errors import SpmdError
@@ -54,6 +54,7 @@ class BatchCounts:
         # say whether they all agree (n * sum of squares == sum squared).
         self.sizes: list[tuple[str, int, int]] = []
         self.totals: torch.Tensor | None = None
+        self.values: list[int] = []  # the totals, once verified
         self.work = None
         self.started = False
         self.verified = False
@@ -96,9 +97,11 @@ class BatchCounts:
             self.work.wait()
             self.work = None
         self.verified = True
+        with global_mode.local_region():
+            self.values = self.totals.tolist()  # (read as Python ints from here on)
         at = len(self.parts)
         for i, (key, dim, _) in enumerate(self.sizes):
-            total, squares = int(self.totals[at + 2 * i]), int(self.totals[at + 2 * i + 1])
+            total, squares = self.values[at + 2 * i], self.values[at + 2 * i + 1]
             if self.processes * squares != total * total:
 
                 what = f"sizes of dim {dim}"
@@ -120,7 +123,7 @@ class BatchCounts:
         if not self.started or self.totals is None:
             return None
         self.verify()
-        return int(self.totals[index])
+        return self.values[index]
 
 
 def _versions(t: DTensor) -> tuple[int, int] | object:
@@ -275,6 +278,19 @@ def _source_value(s) -> torch.Tensor | None:
         s.work.wait()
         s.work = None
     return s.value
+
+
+def reduced_item(x: DTensor) -> float | int | bool | None:
+    """``x.item()`` when ``x`` is a loss whose sum was started (``reduced``) and whose layout
+    is a plain pending sum or replicated; None otherwise."""
+    if getattr(x, _SUM, None) is None or x.ndim != 0 or not all(
+            p.is_replicate() or (type(p) is Partial and p.reduce_op == "sum") for p in x.placements):
+        return None
+    value = reduced(x)
+    if value is None:
+        return None
+    with global_mode.local_region():
+        return value.item()
 
 
 def reduced(loss: DTensor) -> torch.Tensor | None:

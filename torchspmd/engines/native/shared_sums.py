@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchspmd.engines.native import global_mode
 from torchspmd.engines.native.collectives import shared_file
 from torchspmd.errors import PeerLost, SpmdError
 
@@ -104,12 +105,10 @@ class _Board:
                 self._until(lambda: all(int(self.finished_at[r]) >= seq - RING for r in range(self.world)),
                             "to read a sum", range(self.world))
             place = (seq - 1) % RING
-            values = tensor.detach().reshape(-1)
-            self.kinds[place, self.rank] = values.numel() * 64 + _SUMMED.index(values.dtype)
-            if values.dtype.is_floating_point:
-                self.floats[place, self.rank, : values.numel()] = values.double().numpy()
-            else:
-                self.ints[place, self.rank, : values.numel()] = values.long().numpy()
+            values, n = _values(tensor), tensor.numel()
+            self.kinds[place, self.rank] = n * 64 + _SUMMED.index(tensor.dtype)
+            # (numpy converts to the row's float64 or int64 as it stores)
+            (self.floats if tensor.dtype.is_floating_point else self.ints)[place, self.rank, :n] = values
             self.seqs[place, self.rank] = seq  # (after the values: x86-64 keeps the stores' order)
             done = _Done(self, seq, tensor)
             self.pending[seq] = done
@@ -140,15 +139,11 @@ class _Board:
             if done is not None:
                 t = done.tensor
                 n = t.numel()
-                if t.dtype.is_floating_point:
-                    total = self.floats[place, 0, :n].copy()
-                    for r in range(1, self.world):
-                        total += self.floats[place, r, :n]
-                else:
-                    total = self.ints[place, 0, :n].copy()
-                    for r in range(1, self.world):
-                        total += self.ints[place, r, :n]
-                t.copy_(torch.from_numpy(total).reshape(t.shape))
+                rows = self.floats if t.dtype.is_floating_point else self.ints
+                total = rows[place, 0, :n].copy()
+                for r in range(1, self.world):
+                    total += rows[place, r, :n]
+                _store(t, total)
                 done.finished = True
             self.finished = seq
             self.finished_at[self.rank] = seq
@@ -185,6 +180,23 @@ class _Board:
                     f"torchspmd: process {dist.get_global_rank(self.group, r)} (pid {self.pids[r]}) ended while "
                     f"this one waited for it {what}; its own error says why"
                 )
+
+
+def _values(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values, flat, as numpy holds them (bfloat16, which numpy lacks, as float64)."""
+    if t.dtype == torch.bfloat16:
+        with global_mode.local_region():
+            return t.detach().double().numpy().reshape(-1)
+    return t.detach().numpy().reshape(-1)
+
+
+def _store(t: torch.Tensor, total: np.ndarray) -> None:
+    """Write the sum ``total`` (float64 or int64, flat) into ``t``, cast to its dtype."""
+    if t.dtype == torch.bfloat16:
+        with global_mode.local_region():
+            t.copy_(torch.from_numpy(total).reshape(t.shape))
+    else:
+        t.detach().numpy().reshape(-1)[:] = total  # (a view of t's storage: t is contiguous)
 
 
 def _ended(pid: int) -> bool:
