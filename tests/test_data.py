@@ -28,6 +28,19 @@ class Counting(Dataset):
         return self.x[i], self.y[i]
 
 
+def _in_a_thread(scenario, *args):
+    """``scenario(*args)`` with the loader making its batches in a thread of its own, as it
+    does for a GPU (on the CPU it makes them at ``next()``)."""
+    from torchspmd.engines.native import data
+
+    rule = data.background_thread
+    data.background_thread = lambda device: True
+    try:
+        return scenario(*args)
+    finally:
+        data.background_thread = rule
+
+
 def _mesh():
     w = torch.distributed.get_world_size()
     return Mesh(np.arange(w), (w,), ("data",))
@@ -46,8 +59,10 @@ def _read_own_rows(batch_size, shuffle, n=20):
 
 
 @pytest.mark.parametrize("world,batch,n", [(2, 6, 20), (2, 7, 20), (4, 8, 20), (4, 7, 21)])
-def test_each_rank_reads_only_its_rows(dist, world, batch, n):
-    results = dist(world).run(_read_own_rows, batch, True, n)
+@pytest.mark.parametrize("thread", [False, True], ids=["at next", "in a thread"])
+def test_each_rank_reads_only_its_rows(dist, world, batch, n, thread):
+    results = dist(world).run(_in_a_thread, _read_own_rows, batch, True, n) if thread else \
+        dist(world).run(_read_own_rows, batch, True, n)
     reads = [set(r[0]) for r in results]
     assert all(r[2] for r in results)  # per-process reading was used
     for i in range(world):
@@ -206,12 +221,42 @@ def _prefetch_workers():
 
 
 def test_prefetch_and_workers_keep_order(dist):
-    got = dist(2).run(_prefetch_workers)[0]
     torch.manual_seed(0)
     ref = [x for x, _ in DataLoader(Counting(20), batch_size=4, shuffle=True)]
-    assert len(got) == len(ref)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for got in (dist(2).run(_prefetch_workers)[0], dist(2).run(_in_a_thread, _prefetch_workers)[0]):
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Failing(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i >= 8:  # the third batch, on every process (each reads its own rows of it)
+            raise IndexError("samples from 8 on cannot be read")
+        return torch.full((2,), float(i))
+
+
+def _failing_loader():
+    dl = ts.MpDeviceLoader(DataLoader(_Failing(), batch_size=4), ts.device(),
+                           input_sharding=ts.ShardingSpec(_mesh(), ("data", None)))
+    it, got, errors = iter(dl), [], []
+    for _ in range(4):  # two batches, then the error, raised again by the next call
+        try:
+            got.append(next(it).full_tensor())
+        except IndexError as e:
+            errors.append(str(e))
+    return got, errors
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["at next", "in a thread"])
+def test_a_dataset_error_reaches_the_program_at_its_batch_and_after(dist, thread):
+    got, errors = same_on_every_rank([(torch.stack(g).tolist(), e) for g, e in (
+        dist(2).run(_in_a_thread, _failing_loader) if thread else dist(2).run(_failing_loader))])
+    assert got == [[[float(i)] * 2 for i in range(4)], [[float(i)] * 2 for i in range(4, 8)]]
+    assert len(errors) == 2 and all("samples from 8 on cannot be read" in e for e in errors), errors
 
 
 class _Ragged(Dataset):
@@ -291,7 +336,8 @@ def _fixed_batch_size(batchdim):
 def test_fixed_batch_size_counts_rows_on_the_batch_dim(dist):
     g = torch.Generator().manual_seed(3)
     want = [torch.randn(5, rows, generator=g) for rows in (3, 3, 2)][:2]  # the odd last batch is dropped
-    for got in dist(2).run(_fixed_batch_size, 1) + dist(2).run(_fixed_batch_size, -1):
+    for got in dist(2).run(_fixed_batch_size, 1) + dist(2).run(_fixed_batch_size, -1) + \
+            dist(2).run(_in_a_thread, _fixed_batch_size, 1):
         assert len(got) == 2
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -2,7 +2,8 @@
 
 The wrapped loader describes the *global* batch (``batch_size`` is the global batch
 size). Each process loads only the rows it holds under ``input_sharding``, moves them
-to its device in a background thread, and yields DTensors of the global shape.
+to its device (in a background thread, for a device other than the CPU), and yields
+DTensors of the global shape.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchspmd.blocks import block_of
 from torchspmd.blocks import chunk as _chunk
 from torchspmd.blocks import contiguous_stride as _contiguous_stride
 from torchspmd.engines.native import early_reductions as _early
-from torchspmd.engines.native import sharding
+from torchspmd.engines.native import global_mode, sharding
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.sharding import coordinate
 from torchspmd.errors import SpmdError
@@ -69,6 +71,7 @@ class _Layout:
             self.dmesh = device_mesh(self.mesh)  # created here, in the main thread, on every rank
             self.coord = coordinate(self.mesh, dist.get_rank())
         self._rows_warned = False
+        self._specs: dict = {}  # (placements, global shape, dtype) -> DTensorSpec
 
     @property
     def row_shards(self) -> int:
@@ -94,6 +97,21 @@ class _Layout:
         for a in self.row_axes or ():
             _, length = _chunk(length, self.mesh.mesh_shape[a], coord[a])
         return length
+
+    def global_tensor(self, local: torch.Tensor, placements, gshape: tuple[int, ...]) -> DTensor:
+        """The global DTensor of shape ``gshape`` whose block here is ``local`` (contiguous).
+        A batch's tensors keep their shapes from batch to batch: their layouts are made once
+        and shared (``DTensor.from_local`` would make one per tensor, through an autograd
+        function, on the loader's every batch)."""
+        if local.requires_grad:  # (a tensor with a gradient keeps its link to the local one)
+            return DTensor.from_local(local, self.dmesh, placements, run_check=False, shape=torch.Size(gshape),
+                                      stride=_contiguous_stride(gshape))
+        key = (tuple(placements), tuple(gshape), local.dtype)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = DTensorSpec(self.dmesh, tuple(placements), tensor_meta=TensorMeta(
+                torch.Size(gshape), _contiguous_stride(tuple(gshape)), local.dtype))
+        return DTensor(local, spec, requires_grad=False)
 
     def spec_for(self, key, t: torch.Tensor):
         if isinstance(self.sharding, dict):
@@ -180,6 +198,12 @@ def _local_loader(loader: DataLoader, batch_sampler) -> DataLoader:
     return DataLoader(loader.dataset, **kwargs)
 
 
+def background_thread(device: torch.device) -> bool:
+    """Whether the loader makes its batches in a thread of its own for ``device``: for a
+    device other than the CPU (a copy to overlap)."""
+    return device.type != "cpu"
+
+
 class MpDeviceLoader:
     """The native engine's loader (``torchspmd.MpDeviceLoader`` documents the arguments,
     checked there)."""
@@ -226,8 +250,17 @@ class _Iterator:
             first = [_Error(e)]
         if self.slicer is not None:
             self._check_same_batches(self.slicer.first or [])
-        self.thread = threading.Thread(target=self._work, args=(first, source), daemon=True, name="torchspmd-loader")
-        self.thread.start()
+        self.batches = self._batches(first, source)
+        # A thread of its own overlaps the copies to a device with the program's work. On
+        # the CPU there is no copy: a thread there would only take turns with the program's
+        # thread for the interpreter (each torch call hands it over), and its batches'
+        # reading would interleave with the program's random draws in an order of the
+        # scheduler's; the batches are made at next(), as a plain DataLoader makes them.
+        self.thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+        if background_thread(owner._device):
+            self.thread = threading.Thread(target=self._work, daemon=True, name="torchspmd-loader")
+            self.thread.start()
 
     def _check_same_batches(self, indices: list) -> None:
         """Every process must draw the same global batches (same sampler seed)."""
@@ -258,25 +291,46 @@ class _Iterator:
             # batch starts a collective: an error leaves every process at the same point.
             previous, self.previous = self.previous, None
             previous.verify()
-        with self.queue.mutex:  # the batch about to be taken, if ready
-            head = self.queue.queue[0] if self.queue.queue else None
-        if type(head) is tuple:
-            # Start its counts' collective before taking it: taking it wakes the loader's
-            # thread, which would then hold the interpreter while the collective starts,
-            # preparing the next batch on the program's time.
-            head[1].start()
-        item = self.queue.get()
-        if item is _END:
-            self.queue.put(_END)
-            raise StopIteration
-        if isinstance(item, _Error):
-            self.queue.put(item)
-            raise item.exc
-        batch, counts = item
+        if self.thread is None:
+            batch, counts = self._made_here()
+        else:
+            with self.queue.mutex:  # the batch about to be taken, if ready
+                head = self.queue.queue[0] if self.queue.queue else None
+            if type(head) is tuple:
+                # Start its counts' collective before taking it: taking it wakes the loader's
+                # thread, which would then hold the interpreter while the collective starts,
+                # preparing the next batch on the program's time.
+                head[1].start()
+            item = self.queue.get()
+            if item is _END:
+                self.queue.put(_END)
+                raise StopIteration
+            if isinstance(item, _Error):
+                self.queue.put(item)
+                raise item.exc
+            batch, counts = item
         counts.start()  # here, in the program's thread: a collective in program order
         if counts.sizes:
             self.previous = counts
         return batch
+
+    def _made_here(self):
+        """The next batch, made in the program's thread (outside the global view, as the
+        loader's thread would make it). A loader that raised raises the same at every call
+        after, as the threaded one does."""
+        if self.failed is not None:
+            raise self.failed
+        suspended = global_mode.suspend()
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.failed = StopIteration()
+            raise
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            global_mode.resume(suspended)
 
     def __del__(self):
         self.stop.set()
@@ -295,19 +349,23 @@ class _Iterator:
         self.queue.put(item)
         return not self.stop.is_set()
 
-    def _work(self, first: list, source) -> None:
+    def _batches(self, first: list, source) -> Iterator[tuple]:
+        """(batch as global DTensors, its counts) for each batch of the wrapped loader."""
+        if first and isinstance(first[0], _Error):
+            raise first[0].exc
+        for n, batch in enumerate(itertools.chain(first, source) if first else ()):
+            if self.owner._fixed:
+                size = self._batch_rows(batch)
+                if self.first_size is None:
+                    self.first_size = size
+                elif size != self.first_size:
+                    return
+            yield self._shard(batch, n)
+
+    def _work(self) -> None:
         try:
-            if first and isinstance(first[0], _Error):
-                raise first[0].exc
-            for n, batch in enumerate(itertools.chain(first, source) if first else ()):
-                if self.owner._fixed:
-                    size = self._batch_rows(batch)
-                    if self.first_size is None:
-                        self.first_size = size
-                    elif size != self.first_size:
-                        break
-                out = self._shard(batch, n)
-                if not self._put(out):
+            for item in self.batches:
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as e:  # delivered to the consumer
@@ -391,10 +449,7 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
                 local = local.narrow(d, start, length)
         block = local
         local = local.contiguous().to(device, non_blocking=True)
-        out = DTensor.from_local(
-            local, layout.dmesh, placements, run_check=False, shape=torch.Size(gshape),
-            stride=_contiguous_stride(gshape),
-        )
+        out = layout.global_tensor(local, placements, gshape)
         if t.dtype in _early.COUNTED_TYPES:
             if read_start is None and not layout.minibatch:  # this process holds the whole tensor
                 index = counts.count(t, not counts.summed or dist.get_rank() == 0)
