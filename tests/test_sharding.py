@@ -218,6 +218,40 @@ def test_writes_into_a_sharded_batch_are_one_devices(dist, world):
         assert refused is not None and "while autograd records it" in refused and "masked_fill_" in refused
 
 
+def _repeated_views():
+    from torchspmd.engines.native import exact_ops
+
+    n = ts.global_runtime_device_count()
+    mesh = Mesh(np.arange(n), (n,), ("data",))
+    g = torch.Generator().manual_seed(3)
+    full, weight = torch.randn(8, 6, 5, generator=g), torch.randn(48, 5, generator=g)
+    results = []
+    for _ in range(3):  # the first call of each view is DTensor's; the later ones reuse its layout
+        x = ts.mark_sharding(full.clone(), mesh, ("data", None, None)).requires_grad_(True)
+        flat, rows = x.view(-1, 5), x.reshape(8, 30)
+        ((flat * weight).sum() + (rows * rows).sum()).backward()
+        results.append((torch.equal(flat.full_tensor(), full.view(-1, 5)), torch.equal(rows.full_tensor(), full.reshape(8, 30)),
+                        ts.get_sharding(flat), ts.get_sharding(rows), x.grad.full_tensor()))
+    kept = any(key[1].placements == x._spec.placements and key[2] == (-1, 5) for key in exact_ops._VIEWS)
+    return results, kept
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_repeated_views_of_a_split_batch_keep_values_layouts_and_gradients(dist, world):
+    # A view made again on the same layout is made locally with the layout the first call
+    # got from DTensor (exact_ops._view): the same values, layout and gradient every time.
+    g = torch.Generator().manual_seed(3)
+    full, weight = torch.randn(8, 6, 5, generator=g), torch.randn(48, 5, generator=g)
+    x = full.clone().requires_grad_(True)
+    ((x.view(-1, 5) * weight).sum() + (x.reshape(8, 30) ** 2).sum()).backward()
+    for results, kept in dist(world).run(_repeated_views):
+        assert kept, "the view's layout was not kept for the next call"
+        for same_flat, same_rows, flat_spec, rows_spec, grad in results:
+            assert same_flat and same_rows
+            assert flat_spec == ("data", None) and rows_spec == ("data", None)
+            torch.testing.assert_close(grad, x.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_remark_clear_autograd_and_parameters(dist):
     results = dist(2).run(_layout_changes)
     t = torch.arange(12.0).reshape(4, 3)

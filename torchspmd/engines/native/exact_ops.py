@@ -399,6 +399,35 @@ def _split_twice_strided(x: DTensor) -> bool:
     return any(len(ps) > 1 and any(isinstance(p, _StridedShard) for p in ps) for ps in splits.values())
 
 
+# (op, input layout, sizes) -> (output layout, this process's local sizes) of views made here
+_VIEWS: dict = {}
+_VIEWS_KEPT = 256
+
+
+def _view_key(op, x: DTensor, args, kwargs):
+    """What decides a view's layout and local sizes: the op, the input's layout (its
+    ``DTensorSpec``: mesh, placements, global shape, stride, dtype) and the sizes asked for;
+    None where that cannot be a key (symbolic sizes while compiling, keyword arguments)."""
+    if kwargs or torch.compiler.is_compiling() or len(args) != 2:
+        return None
+    sizes = args[1]
+    if not all(type(v) is int for v in sizes):
+        return None
+    return op, x._spec, tuple(sizes)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a view of ``b``'s memory (DTensor computed the view locally, without
+    moving the input first). Tensors without memory (meta, fake ones under ``explain``)
+    are never taken for views."""
+    if a.device.type == "meta":
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:  # (a fake tensor's storage has no data pointer)
+        return False
+
+
 def _view(op, args, kwargs):
     """Views of an unevenly split tensor (``logits.view(-1, V)`` on 5 rows over 2
     devices, attention heads folded into an odd batch) have no torch.chunk layout
@@ -415,9 +444,20 @@ def _view(op, args, kwargs):
         early_reductions.carry(x, out)
         return out
     if not _uneven(x):
+        key = _view_key(op, x, args, kwargs)
+        known = _VIEWS.get(key) if key is not None else None
+        if known is not None:  # this view of this layout was made before: its local view, laid out alike
+            spec, local_shape = known
+            out = DTensor(op(x._local_tensor, local_shape), spec, requires_grad=False)
+            early_reductions.carry(x, out)
+            return out
         try:
             out = _default(op, args, kwargs)
             early_reductions.carry(x, out)
+            if key is not None and _same_storage(out._local_tensor, x._local_tensor):
+                if len(_VIEWS) >= _VIEWS_KEPT:
+                    _VIEWS.clear()
+                _VIEWS[key] = (out._spec, tuple(out._local_tensor.shape))
             return out
         except RuntimeError as e:
             # A view DTensor has no layout for (a split dim unflattened into pieces the mesh

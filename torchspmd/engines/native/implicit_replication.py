@@ -121,6 +121,12 @@ class _ReplicateUnannotated(TorchFunctionMode):
         like = _first_dtensor(args, kwargs)
         if like is None:
             return func(*args, **kwargs)
+        if func is torch.Tensor.item and len(args) == 1 and not kwargs:
+            # A loss whose sum the backward pass reduced already: its value, without
+            # passing DTensor's dispatch to reach the same (exact_ops' item handler).
+            value = early_reductions.reduced_item(args[0])
+            if value is not None:
+                return value
         if torch.is_inference_mode_enabled():
             # Under inference mode, composite ops (cross_entropy, ...) reach DTensor whole, and
             # its sharding propagation fails on them: run them as under no_grad, which computes
