@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -71,10 +72,13 @@ def seed_fsdpv2(steps: int):
 
 
 def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None = None,
-                autocast=None) -> list[float]:
+                autocast=None, loading: bool = False) -> list[float]:
     """Train on every batch of ``loader``; return the seconds of each step after ``warmup``
     (and add the timed steps' CPU use to ``cpu``). ``autocast``: a context factory the
-    forward and the loss run in (``torch.autocast``)."""
+    forward and the loss run in (``torch.autocast``). A step is timed from after taking its
+    batch to reading its loss; with ``loading``, from before taking the batch (the whole
+    iteration: a loader that prepares batches in the program's thread and one that prepares
+    them in a thread of its own are then timed alike)."""
     import contextlib
 
     import torch.nn.functional as F
@@ -82,9 +86,17 @@ def timed_steps(model, opt, loader, vocab: int, warmup: int, cpu: CpuUse | None 
     autocast = autocast or contextlib.nullcontext
 
     times = []
-    for step, (x, y) in enumerate(loader):
+    batches = iter(loader)
+    for step in itertools.count():
         t0 = time.perf_counter()
         c0 = CpuUse.now()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            break
+        if not loading:
+            t0 = time.perf_counter()
+            c0 = CpuUse.now()
         with autocast():
             out = model(x)
             logits = out if hasattr(out, "reshape") else out["logits"]  # a transformers model returns an output object

@@ -22,8 +22,10 @@ RMSNorm and a GELU MLP; ``llama``, transformers' LlamaForCausalLM built from a c
 ``cnn``, a convolutional classifier whose BatchNorm layers are in eval mode (running
 statistics, no batch statistics); ``rnn``, an LSTM language model (batch first).
 
-A run's tokens/s (for the CNN, images/s) is the median over its timed steps after warm-up;
-memory is rank 0's peak RSS. Each configuration runs ``--repeats`` times, the strategies
+A run's tokens/s (for the CNN, images/s) is the median over its timed steps after warm-up,
+a step timed from taking its batch from the loader to reading its loss (the loaders read
+in different threads: DDP's in the program's, ``MpDeviceLoader``'s in its own on a GPU;
+timing the whole iteration counts each where it runs); memory is rank 0's peak RSS. Each configuration runs ``--repeats`` times, the strategies
 interleaved in a rotating order within each round, so that a slow stretch of this shared
 machine falls on all of them; the table gives the median and the min-max over the runs, and
 each strategy's ratio to DDP per round (median, min-max, and in how many rounds it was at
@@ -178,7 +180,7 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=batch), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("data", None)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = timed_steps(model, opt, loader, classes, warmup)
+    times = timed_steps(model, opt, loader, classes, warmup, loading=True)
     if rank == 0:
         write_result(result, strategy, _per_step(family), times)
 
@@ -236,7 +238,8 @@ def main() -> None:
         "# Data parallelism: throughput and memory by model family",
         "",
         f"`{command}`: Adam; gloo processes (OMP threads = cores / processes) except `one process` (1 process, "
-        f"{cores} threads). Each run: median of {args.steps - args.warmup} timed steps; {args.repeats} runs of each "
+        f"{cores} threads). A step is timed from taking its batch to reading its loss. Each run: median of "
+        f"{args.steps - args.warmup} timed steps; {args.repeats} runs of each "
         f"configuration, interleaved. Machine: {platform.machine()}, {cores} cores, torch "
         f"{__import__('torch').__version__}.",
         "",
