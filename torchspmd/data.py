@@ -2,7 +2,8 @@
 
 The wrapped loader describes the *global* batch (``batch_size`` is the global batch size).
 On the native engine each process loads only the rows it holds under ``input_sharding``,
-moves them to its device in a background thread, and yields DTensors of the global shape;
+moves them to its device (for a GPU, ahead, in a background thread; on the CPU at
+``next()``), and yields DTensors of the global shape;
 on the torch_xla engine this is torch_xla's ``MpDeviceLoader``.
 """
 
@@ -53,7 +54,9 @@ class MpDeviceLoader(abc.ABC):
             the batch's dict (every key needs one). ``None``: the batch is replicated. A
             tensor whose rank does not fit the spec is split on its batch dim like the
             others (same global value, rows kept where they are used).
-        loader_prefetch_size, device_prefetch_size: batches read ahead / kept ready.
+        loader_prefetch_size, device_prefetch_size: batches read ahead / kept ready (on the
+            native engine, by the background thread of a device other than the CPU; on
+            the CPU batches are read at ``next()``).
         batchdim: the batch dim of the loader's tensors (per-process reading needs 0).
         fixed_batch_size: stop at the first batch whose size differs from the first one
             (drops an odd last batch).
