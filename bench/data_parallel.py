@@ -14,7 +14,9 @@ Same model, same global batch, same optimizer in every strategy:
 - ``pattern1-dtensor``: the same program with that path switched off
   (``TORCHSPMD_AUTO_REPLICATE=0``): every operation through DTensor;
 - ``pattern1-gloo-sums`` (only when asked for): Pattern 1 with the exact loss's two small
-  sums through gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_SUMS=0``).
+  sums through gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_SUMS=0``);
+- ``pattern1-gloo-grads`` (only when asked for): Pattern 1 with the gradients' sum through
+  gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_GRADIENTS=0``), as DDP sums.
 
 Families (``--families``; ``FAMILIES`` below has their sizes): ``seed``, the seed document's
 decoder (torchspmd.models); ``mha``, a decoder of ``nn.MultiheadAttention`` (batch first),
@@ -156,6 +158,8 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         os.environ["TORCHSPMD_AUTO_REPLICATE"] = "0"
     if strategy == "pattern1-gloo-sums":
         os.environ["TORCHSPMD_SHARED_SUMS"] = "0"
+    if strategy == "pattern1-gloo-grads":
+        os.environ["TORCHSPMD_SHARED_GRADIENTS"] = "0"
     import numpy as np
     import torch
 
@@ -185,7 +189,7 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         write_result(result, strategy, _per_step(family), times)
 
 
-STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor", "pattern1-gloo-sums"]
+STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor", "pattern1-gloo-sums", "pattern1-gloo-grads"]
 
 
 def _round(args, configs: list, runs: dict, r: int) -> None:
@@ -202,7 +206,8 @@ def _round(args, configs: list, runs: dict, r: int) -> None:
 NAMES = {"single": "one process", "ddp": "DDP", "replicate": "ts.replicate",
          "pattern1": "Pattern 1 as written (automatic path)",
          "pattern1-dtensor": "Pattern 1, automatic path off (DTensor)",
-         "pattern1-gloo-sums": "Pattern 1, the loss's sums through gloo (TORCHSPMD_SHARED_SUMS=0)"}
+         "pattern1-gloo-sums": "Pattern 1, the loss's sums through gloo (TORCHSPMD_SHARED_SUMS=0)",
+         "pattern1-gloo-grads": "Pattern 1, the gradients' sum through gloo (TORCHSPMD_SHARED_GRADIENTS=0)"}
 
 
 def main() -> None:

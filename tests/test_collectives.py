@@ -368,7 +368,7 @@ def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
     """The reduce-scatter's sum at every process count (more than the multi-process tests
     start, where ``torch.sum`` over the rows would regroup them), on strided rows as the
     reduce-scatter reads them: exactly the rank-order float32 sum."""
-    from torchspmd.engines.native.collectives import _sum_in_rank_order
+    from torchspmd.engines.native.collectives import sum_in_rank_order
 
     for world in (1, 2, 3, 4, 5, 8, 17):
         for n in (1, 15, 1003, 70001):  # tails of the vectorized kernels, and a size they split
@@ -379,7 +379,7 @@ def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
             for r in range(1, world):
                 want = want + rows[r].float()
             got = torch.empty(n, dtype=rows.dtype)
-            _sum_in_rank_order(rows, got)
+            sum_in_rank_order(rows, got)
             assert torch.equal(_bits(got), _bits(want.to(rows.dtype))), (world, n)
 
 
@@ -421,7 +421,7 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
 
     counts = {"barrier": 0, "gather": 0, "reduce_scatter": 0}
     originals = (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
-                 coll._sum_in_rank_order)
+                 coll.sum_in_rank_order)
 
     def counted(name, f):
         def call(*args, **kwargs):
@@ -433,12 +433,12 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
     coll.SharedParamsAllGather.gather = counted("gather", coll.SharedParamsAllGather.gather)
     coll.SharedMemoryReduceScatter.__call__ = counted("reduce_scatter", coll.SharedMemoryReduceScatter.__call__)
     if slow_sum == ts.global_ordinal():
-        coll._sum_in_rank_order = lambda rows, out: (_busy(0.05), originals[3](rows, out))
+        coll.sum_in_rank_order = lambda rows, out: (_busy(0.05), originals[3](rows, out))
     try:
         return _train_shared_counted(shared, late, steps, prefetch, counts)
     finally:
         (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
-         coll._sum_in_rank_order) = originals
+         coll.sum_in_rank_order) = originals
 
 
 def _train_shared_counted(shared, late, steps, prefetch, counts):

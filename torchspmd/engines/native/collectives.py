@@ -130,7 +130,7 @@ class _Arena:
         self.summed_at = -1  # the group's barrier count when this process last summed out of it
 
     def _grow(self, nbytes: int) -> None:
-        base, self.path = _map_shared(self.group, self.parts * nbytes)
+        base, self.path = map_shared(self.group, self.parts * nbytes)
         self.halves = [base[i * nbytes:(i + 1) * nbytes] for i in range(self.parts)]
         self.capacity = nbytes
 
@@ -169,6 +169,7 @@ def shared_file(size: int) -> list:
 
 
 _ARENAS: dict[tuple[int, str], _Arena] = {}
+_SAME_MACHINE: dict[int, bool] = {}
 
 
 def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
@@ -220,7 +221,7 @@ class SharedMemoryAllGather(AllGather):
 
 class SharedMemoryReduceScatter(ReduceScatter):
     """Reduce-scatter through shared memory, adding the processes' pieces in rank order
-    (:func:`_sum_in_rank_order`).
+    (:func:`sum_in_rank_order`).
 
     Under FSDP2 the input buffer FSDP2 asks for (``allocate``, before it copies the
     gradients in) *is* this process's row of one shared buffer, ``[world, numel]``: FSDP2
@@ -269,7 +270,7 @@ class SharedMemoryReduceScatter(ReduceScatter):
         if (rows is not None and input_tensor.data_ptr() == rows[rank].data_ptr()
                 and input_tensor.numel() == rows.shape[1] and input_tensor.dtype == rows.dtype):
             self.shared.barrier()  # every row written
-            _sum_in_rank_order(rows.view(world, world, per)[:, rank], output_tensor.view(-1))
+            sum_in_rank_order(rows.view(world, world, per)[:, rank], output_tensor.view(-1))
             self._rows_arena.summed_at = self.shared.epoch
             return _Done() if async_op else None
         src = input_tensor.view(world, per)  # src[d]: this process's part for destination d
@@ -282,7 +283,7 @@ class SharedMemoryReduceScatter(ReduceScatter):
             buf = arena.next(world * world * m * size).view(input_tensor.dtype).view(world, world, m)
             buf[rank].copy_(src[:, start:start + m])
             dist.barrier(group=group)  # every row written
-            _sum_in_rank_order(buf[:, rank], out[start:start + m])
+            sum_in_rank_order(buf[:, rank], out[start:start + m])
         return _Done() if async_op else None
 
 
@@ -312,7 +313,7 @@ def _shares_params(module) -> bool:
         for g in groups for fp in g.fsdp_params)
 
 
-def _map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:
+def map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:
     """A new ``size``-byte shared-memory buffer every process of ``group`` maps (collective):
     rank 0 makes the file, every process maps it, rank 0 deletes it (the mappings live on)."""
     rank = group.rank()
@@ -383,8 +384,8 @@ class _SharedParams:
                                              if r.slab == s and not r.holders and r.overlaps(pos, pos + nbytes)):
                     return self._take(s, pos, nbytes)
                 pos = max(pos, b)
-        slab, _ = _map_shared(self.group, -(-nbytes // 2**20) * 2**20)
-        self.epoch += 1  # _map_shared ends with a barrier
+        slab, _ = map_shared(self.group, -(-nbytes // 2**20) * 2**20)
+        self.epoch += 1  # map_shared ends with a barrier
         self.slabs.append(slab)
         return self._take(len(self.slabs) - 1, 0, nbytes)
 
@@ -408,7 +409,7 @@ def _shared(group: dist.ProcessGroup) -> _SharedParams:
 #: id of a gather's output not yet copied out -> (the output, its collective, its region).
 #: Keyed by the tensor itself (held here, so its id is not reused), not by its address.
 _PENDING: dict[int, tuple[torch.Tensor, "SharedParamsAllGather", _Region]] = {}
-_ALIGN = 64
+ALIGN = 64  # bytes: where each piece of a shared buffer starts
 
 
 class SharedParamsAllGather(AllGather):
@@ -450,7 +451,7 @@ class SharedParamsAllGather(AllGather):
         starts, total = [], 0
         for b in sizes:
             starts.append(total)
-            total += -(-world * b // _ALIGN) * _ALIGN
+            total += -(-world * b // ALIGN) * ALIGN
         for key, (_, gather, region) in list(_PENDING.items()):
             if gather is self:  # gathered before and never copied out (a step given up midway): release it
                 del _PENDING[key]
@@ -492,7 +493,7 @@ class SharedParamsAllGather(AllGather):
             storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(
                 base + start, result.all_gather_output.device, nbytes))
             _hold(fsdp_param, region, shared)
-            start += -(-nbytes // _ALIGN) * _ALIGN
+            start += -(-nbytes // ALIGN) * ALIGN
         _unreserve(region, shared)
 
 
@@ -549,7 +550,7 @@ def _take_over() -> None:
     fsdp_patches.route_all_gathers(_gather, _copy_out)
 
 
-def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
+def sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out = ((rows[0] + rows[1]) + rows[2]) + ...``, accumulated in float32 (or the
     rows' dtype when wider) and rounded to ``out``'s dtype once, at the end: one fixed
     order, whatever the number of rows. The first two rows are added straight into ``out``,
@@ -569,13 +570,18 @@ def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
             out.add_(rows[r])
 
 
-def _same_machine(group: dist.ProcessGroup) -> bool:
-    names: list = [None] * group.size()
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names)) == 1
+def same_machine(group: dist.ProcessGroup) -> bool:
+    """Whether every process of ``group`` runs on this machine (collective the first time it
+    is asked for a group)."""
+    key = id(group)
+    if key not in _SAME_MACHINE:
+        names: list = [None] * group.size()
+        dist.all_gather_object(names, socket.gethostname(), group=group)
+        _SAME_MACHINE[key] = len(set(names)) == 1
+    return _SAME_MACHINE[key]
 
 
-def _backend_of(group: dist.ProcessGroup, device: torch.device) -> str:
+def backend_of(group: dist.ProcessGroup, device: torch.device) -> str:
     try:
         return str(dist.get_backend(group)) if device.type != "cuda" else "nccl"
     except Exception:
@@ -593,21 +599,16 @@ def choose(collectives: str, module, one_group: bool = True) -> str:
         return "native" if not groups else collectives
     pg = groups[0].mesh_info.shard_process_group
     device = groups[0].device
-    gloo_cpu = "gloo" in _backend_of(pg, device) and device.type == "cpu"
+    gloo_cpu = "gloo" in backend_of(pg, device) and device.type == "cpu"
     if collectives == "auto" and not gloo_cpu:
         return "native"
-    key = id(pg)
-    if key not in _SAME_MACHINE:
-        _SAME_MACHINE[key] = _same_machine(pg)
-    if collectives == "shm" and not (gloo_cpu and _SAME_MACHINE[key] and one_group):
+    on_one_machine = same_machine(pg)
+    if collectives == "shm" and not (gloo_cpu and on_one_machine and one_group):
         raise SpmdError(
             "FSDPv2(collectives='shm'): shared-memory collectives need CPU tensors, a gloo group whose processes "
             "are all on this machine, and reshard_after_forward True or False; use collectives='auto'"
         )
-    return "shm" if _SAME_MACHINE[key] and one_group else "allreduce"
-
-
-_SAME_MACHINE: dict[int, bool] = {}
+    return "shm" if on_one_machine and one_group else "allreduce"
 
 
 def install(module, collectives: str, one_group: bool = True) -> str:
@@ -628,3 +629,4 @@ def install(module, collectives: str, one_group: bool = True) -> str:
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(SharedMemoryReduceScatter(pg))
     return variant
+

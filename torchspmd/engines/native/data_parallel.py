@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import patches
-from torchspmd.engines.native import global_mode, row_locality
+from torchspmd.engines.native import global_mode, gradient_sums, row_locality
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.module_edges import (
     inputs_to_local,
@@ -44,12 +44,6 @@ from torchspmd.patches import torch as torch_patches
 from torchspmd.tree import map_tensors, walk_tensors
 
 __all__ = ["replicate", "set_auto_replicate"]
-
-
-def _sum_allreduce_hook(group, bucket):
-    # The global-mean loss already divides by the global batch: sum, do not average.
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 def _data_group(dmesh, data_dims: list[int], axis_names):
@@ -109,7 +103,7 @@ class _ReplicateState:
         group = _data_group(dmesh, data_dims, mesh.axis_names)
         params = [p for p in module.parameters() if p.requires_grad]
         self.ddp = DistributedDataParallel(nn.ParameterList(params), process_group=group, **ddp_kwargs)
-        self.ddp.register_comm_hook(group, _sum_allreduce_hook)
+        self.gradient_sums = gradient_sums.register(self.ddp, group, params)
         self.accumulation = _Accumulation(params)
         self.dmesh = dmesh
         self.mesh = mesh
@@ -399,7 +393,7 @@ class _AutoState:
             # broadcast (init_sync=False): it would change tensors a live graph saved.
             self.ddp = DistributedDataParallel(nn.ParameterList(params), process_group=group, init_sync=False,
                                                find_unused_parameters=bool(self.find_unused))
-            self.ddp.register_comm_hook(group, _sum_allreduce_hook)
+            self.gradient_sums = gradient_sums.register(self.ddp, group, params)
             self.accumulation = _Accumulation(params)
             for p in params:
                 _OWNED[id(p)] = self
