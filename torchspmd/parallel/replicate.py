@@ -1,8 +1,9 @@
 """``replicate``: data parallelism with replicated parameters, and the automatic path.
 
 On the native engine the module computes on each process's rows of the global batch and
-its gradients are all-reduced in buckets that overlap with the backward pass, by PyTorch's
-own DistributedDataParallel reducer; the same path is taken without the wrapper (the
+its gradients are summed in buckets by PyTorch's own DistributedDataParallel reducer
+(through shared memory when the processes share one machine: docs/guide.md, *Gradient
+sums*); the same path is taken without the wrapper (the
 automatic data-parallel path, ``set_auto_replicate``). On the torch_xla engine GSPMD
 partitions the step and reduces the gradients itself.
 """
@@ -29,9 +30,8 @@ def replicate(
     shard_output: Callable | None = None,
     **ddp_kwargs,
 ) -> nn.Module:
-    """Data-parallel ``module`` in place (parameters replicated, gradients all-reduced in
-    overlapped buckets by DDP's reducer) and return it; its ``state_dict`` keys are
-    unchanged.
+    """Data-parallel ``module`` in place (parameters replicated, gradients summed in buckets
+    by DDP's reducer) and return it; its ``state_dict`` keys are unchanged.
 
     Args:
         mesh: default: the global mesh, else all devices on one axis.

@@ -1,9 +1,9 @@
 """The native engine's data parallelism with replicated parameters, as fast as DDP: ``replicate``
 and the automatic path.
 
-The module computes on each process's rows of the global batch; its gradients are
-all-reduced in buckets that overlap with the backward pass, by PyTorch's own
-DistributedDataParallel reducer. Inputs and outputs stay global DTensors.
+The module computes on each process's rows of the global batch; its gradients are summed
+in buckets by PyTorch's own DistributedDataParallel reducer, with ``gradient_sums``' hook
+(through shared memory on one machine). Inputs and outputs stay global DTensors.
 
 The same path is taken without the wrapper (``auto``): a module whose parameters are
 all plain (replicated) and that is called with a batch split over the data axes is
