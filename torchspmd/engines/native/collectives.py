@@ -169,7 +169,7 @@ def shared_file(size: int) -> list:
 
 
 _ARENAS: dict[tuple[int, str], _Arena] = {}
-_SAME_MACHINE: dict[int, bool] = {}
+_SAME_MACHINE: dict = {}  # group name -> same_machine(group)
 
 
 def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
@@ -572,8 +572,10 @@ def sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
 
 def same_machine(group: dist.ProcessGroup) -> bool:
     """Whether every process of ``group`` runs on this machine (collective the first time it
-    is asked for a group)."""
-    key = id(group)
+    is asked for a group). Kept by the group's name, which every process gives it alike (an
+    ``id`` is an address: a new group may reuse a freed one's on some processes only, which
+    would then skip the collective the others make)."""
+    key = getattr(group, "group_name", None) or id(group)
     if key not in _SAME_MACHINE:
         names: list = [None] * group.size()
         dist.all_gather_object(names, socket.gethostname(), group=group)
