@@ -25,6 +25,17 @@ def clean_env(**extra) -> dict[str, str]:
     return env
 
 
+def native_python() -> str:
+    """The Python of the native engine's environment (torch 2.13 or newer), for tests that run in
+    another one (tests/xla's torch 2.9, which the native engine refuses) and compare with it:
+    $TORCHSPMD_NATIVE_PYTHON (.ci/run sets it), else the clone's .venv."""
+    python = os.environ.get("TORCHSPMD_NATIVE_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+    if not Path(python).exists():
+        raise AssertionError(f"no native-engine Python at {python}: set TORCHSPMD_NATIVE_PYTHON to a Python with "
+                             "torch 2.13-2.15 and the [test] extra (the README's test command makes .venv)")
+    return python
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on (for a process group's store)."""
     with socket.socket() as s:

@@ -118,8 +118,11 @@ def _under_compat(args: list[str]) -> list[str]:
 def cmd_info(argv: list[str]) -> int:
     """Versions, the engine a program would start here, and the patches it applies
     (started here on one device to list them)."""
+    argparse.ArgumentParser(prog="torchspmd info",
+                            description="Print the versions of torchspmd and torch, the engine and backend a program "
+                                        "would start here, its devices, and the patches use_spmd() applies to other "
+                                        "libraries (and those it leaves out, with why). Takes no options.").parse_args(argv)
     import torch
-
 
     engine, backend = engines.choose(None)
     print(f"torchspmd {__version__}")
@@ -133,7 +136,13 @@ def cmd_info(argv: list[str]) -> int:
     active = patches.active()
     print(f"patches applied by use_spmd() ({len(active)}; docs/patches.md):")
     for patch in active:
-        print(f"  {patch.name} [{patch.library} {patches.version(patch.library)}; checked on {patch.checked}]")
+        print(f"  {patch.name} [{patch.library} {patches.version(patch.library)}; verified on "
+              f"{patch.library}{patch.versions}]")
+    left_out = patches.skipped()
+    if left_out:
+        print(f"patches left out ({len(left_out)}):")
+        for patch, why in left_out:
+            print(f"  {patch.name}: {why}")
     return 0
 
 
@@ -159,7 +168,10 @@ def cmd_explain(argv: list[str]) -> int:
     shard it: each parameter's layout and the collectives of one training step."""
     from torchspmd.train import from_args, run
 
-    cfg, _ = from_args(argv)
+    cfg, _ = from_args(argv, prog="torchspmd explain",
+                       description="Print how `torchspmd train` with the same settings would build and shard its model: "
+                                   "each parameter's layout and the collectives of one training step. Takes train's "
+                                   "settings.")
     run(cfg, explain=True)
     return 0
 
@@ -179,11 +191,11 @@ def cmd_export(argv: list[str]) -> int:
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="torchspmd generate", description="Sample text from a checkpoint.")
     p.add_argument("checkpoint", help="a checkpoint directory, or a train output directory")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--prompt", default="def ", help="the text to continue (default 'def ')")
+    p.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=10, help="sample among the k likeliest tokens; 1: greedy (default 10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
     args = p.parse_args(argv)
     from torchspmd.train.export import generate
 

@@ -380,11 +380,10 @@ def test_a_device_count_pjrt_does_not_show_names_its_source():
     assert "TORCHSPMD_NUM_DEVICES = 2: torch_xla drives all 4 devices of this host from one process" in r.stderr
 
 
-def test_the_native_engine_warns_once_on_this_torch(tmp_path):
+def test_the_native_engine_refuses_this_torch(tmp_path):
     """This environment's torch (2.9, for torch_xla 2.9) lacks DTensor rules the native engine
-    relies on: without PJRT_DEVICE, use_spmd() says so once (rank 0 of the processes it
-    relaunches), naming the version it is tested with and the XLA way, and the program runs
-    (tests/xla/test_xla_programs.py runs whole programs so)."""
+    relies on: without PJRT_DEVICE, use_spmd() refuses to start, once, before any process is
+    launched, naming the torch versions the engine supports and the XLA way."""
     import subprocess
     import sys
 
@@ -395,8 +394,8 @@ def test_the_native_engine_warns_once_on_this_torch(tmp_path):
     script = tmp_path / "p.py"
     script.write_text("import torchspmd as ts\nts.use_spmd()\nprint('ran', ts.backend())\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and "ran cpu" in r.stdout, r.stderr[-3000:]
-    want = f"the native engine (cpu) is tested on torch>=2.13, this is torch {torch.__version__}"
+    assert r.returncode != 0 and "ran" not in r.stdout, r.stderr[-3000:]
+    want = f"the native engine (cpu) supports torch>=2.13,<2.16, and this is torch {torch.__version__}"
     assert r.stderr.count(want) == 1, r.stderr[-3000:]
     assert "PJRT_DEVICE set or TORCHSPMD_BACKEND=xla" in r.stderr
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import clean_env
+from _helpers import clean_env, native_python
 
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.distributed.spmd as xs  # noqa: E402
@@ -63,6 +63,6 @@ def test_device_data_tables_and_the_save_planners_index_equal_torch_xlas():
     ``{replicated}``, the layer's ``''``: an op on a tensor put on the device gives a plain one)."""
     program = str(ROOT / "tests" / "xla_compat" / "device_data.py")
     theirs = _result([sys.executable, program], clean_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2))
-    ours = _result([sys.executable, "-m", "torchspmd.cli", "run", "--xla-compat", "--nproc", "2", program],
+    ours = _result([native_python(), "-m", "torchspmd.cli", "run", "--xla-compat", "--nproc", "2", program],
                    clean_env(PYTHONPATH=ROOT, OMP_NUM_THREADS=1))
     assert ours == theirs

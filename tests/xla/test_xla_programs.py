@@ -1,6 +1,6 @@
 """Whole programs on the XLA backend (one process, 4 CPU devices), against the native engine
-(4 gloo processes, the same torch in this environment): the examples, `torchspmd train`, and
-checkpoints carried from one engine to the other."""
+(4 gloo processes, run by the native engine's environment: torch 2.13 or newer, which it needs):
+the examples, `torchspmd train`, and checkpoints carried from one engine to the other."""
 
 import csv
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import clean_env, example_losses
+from _helpers import clean_env, example_losses, native_python
 
 pytest.importorskip("torch_xla")
 
@@ -26,7 +26,8 @@ def _env(engine: str) -> dict:
 
 
 def run(engine: str, *cmd: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_env(engine), timeout=timeout,
+    python = sys.executable if engine == "xla" else native_python()
+    r = subprocess.run([python, *cmd], capture_output=True, text=True, env=_env(engine), timeout=timeout,
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r

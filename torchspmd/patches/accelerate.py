@@ -12,7 +12,7 @@ GLOBAL_GATHER = Patch(
     what="a sharded trainer's own Accelerator (that instance only) gathers by returning the value: every process "
          "holds the global values already",
     why="gathering global values over the processes would repeat them once per process",
-    checked="1.15.0, 1.16.0",
+    versions=">=1.15,<1.17",
     feature="torchspmd.hf.Trainer with the FSDPv2 arguments",
     targets=("accelerate:Accelerator.gather", "accelerate:Accelerator.gather_for_metrics"),
 )

@@ -7,7 +7,7 @@ import functools
 import importlib
 from typing import Callable, Iterator
 
-from torchspmd.patches import Patch, applied, apply, replace_attribute
+from torchspmd.patches import Patch, applied, apply, replace_attribute, skip
 
 OP_HANDLERS = Patch(
     name="DTensor op handlers",
@@ -17,7 +17,7 @@ OP_HANDLERS = Patch(
          "flash attention per row",
     why="DTensor's own rules average per-device means (wrong for uneven splits and unevenly ignored labels), draw "
         "one mask for every shard on CPU meshes, and lack a rule for CPU flash attention (docs/guide.md)",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="exact losses and per-shard randomness (the native engine's global view)",
     targets=("torch.distributed.tensor:DTensor._op_dispatcher._custom_op_handlers",),
 )
@@ -66,7 +66,7 @@ UNEVEN_GATHERS = Patch(
          "their flattened mesh is skipped when the dim does not divide evenly",
     why="torch 2.13 merges them without checking evenness: the nested split (9 over 2 then 2: 3, 2, 2, 2) is not "
         "the flat one (3, 3, 3, 0) and the gathered value is wrong (torch checks this for reduce-scatters only)",
-    checked="2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="uneven tensors split over several mesh axes",
     targets=("torch.distributed.tensor._redistribute:_optimize_transform_infos",),
 )
@@ -78,9 +78,11 @@ def guard_uneven_gathers() -> None:
     try:
         r = importlib.import_module("torch.distributed.tensor._redistribute")
     except ImportError:
+        skip(UNEVEN_GATHERS, "not needed on this version: torch has no DTensor redistribute module")
         return
     if not hasattr(r, "_optimize_transform_infos"):
-        return  # an older torch: it does not merge
+        skip(UNEVEN_GATHERS, "not needed on this version: DTensor does not merge per-axis all-gathers")
+        return
 
     def install():
         original = r._optimize_transform_infos
@@ -107,7 +109,7 @@ GROUPS_IN_MESH_ORDER = Patch(
     what="while a DeviceMesh over reordered devices is built, its process groups keep the mesh's order",
     why="DeviceMesh builds groups from sorted ranks while DTensor places shards by mesh coordinate: on a "
         "reordered mesh values come out permuted",
-    checked="2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="meshes over devices in another order than 0..n-1",
     targets=("torch.distributed.device_mesh:new_group",),
 )
@@ -136,7 +138,7 @@ REDISTRIBUTION_COUNT = Patch(
          "redistribute module call it) counts the redistributions that change a layout",
     why="the automatic data-parallel path runs a forward locally only once one forward through DTensor moved "
         "no data",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="the automatic data-parallel path",
     targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
 )
@@ -177,7 +179,7 @@ REDISTRIBUTION_FALLBACK = Patch(
         "dim (_StridedShard) over a 2D mesh raises \"_StridedShard redistribute assumes no flattened transforms\" "
         "(torch 2.13 merges its per-axis gathers into one over the flattened mesh, then refuses to run the merged "
         "step); Pattern 1 on a (data, model) mesh failed in backward (docs/guide.md)",
-    checked="2.13.0",
+    versions=">=2.13,<2.16",
     feature="Pattern 1 on meshes of two or more axes",
     targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
 )
@@ -209,7 +211,7 @@ XLA_SHARDED_TENSOR = Patch(
     what="DTensor gets torch_xla's XLAShardedTensor attributes global_tensor, local_shards, sharding_spec, "
          "sharding_type, partition_spec, mesh_shape and load_local_shards_ (only names DTensor lacks)",
     why="mark_sharding returns a DTensor where torch_xla returns an XLAShardedTensor; programs read these",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="torch_xla's XLAShardedTensor view",
     targets=("torch.distributed.tensor:DTensor",),
 )
@@ -233,7 +235,7 @@ REDISTRIBUTE_MESH = Patch(
          "turns it into its DeviceMesh first; every other call is DTensor's own",
     why="--xla-compat: torch_xla's XLAShardedTensor.redistribute(mesh, placements) takes its Mesh (xs.Mesh), "
         "which DTensor refuses as another mesh ('Cross device mesh comm not supported')",
-    checked="2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="--xla-compat",
     targets=("torch.distributed.tensor:DTensor.redistribute",),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from torchspmd.patches import Patch, apply, replace_attribute
+from torchspmd.patches import Patch, apply, replace_attribute, skip
 
 EVERY_FAILURE = Patch(
     name="torchelastic MultiprocessContext._poll",
@@ -13,8 +13,9 @@ EVERY_FAILURE = Patch(
     what="the poll of forked workers reports every worker that failed, as its context for subprocess workers does",
     why="torch's reports only the first failure multiprocessing noticed, not always the first that happened: the "
         "launcher's summary names the process that failed first",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="forked workers' failure summary",
+    needed=False,
     targets=("torch.distributed.elastic.multiprocessing.api:MultiprocessContext._poll",),
 )
 
@@ -35,8 +36,9 @@ QUICK_RENDEZVOUS_NAMES = Patch(
     what="the rendezvous names its events from the calling frame instead of inspect.stack()",
     why="inspect.stack() reads every frame's source: 0.18 s per call with transformers imported, nine calls "
         "before any worker starts (the same names result)",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="launch start-up time",
+    needed=False,
     targets=("torch.distributed.elastic.rendezvous.dynamic_rendezvous:get_method_name",),
 )
 
@@ -47,11 +49,14 @@ def quick_rendezvous_names() -> None:
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
     except ImportError:
+        skip(QUICK_RENDEZVOUS_NAMES, "not needed on this version: torch has no dynamic rendezvous module")
         return
     original = getattr(rdzv, "get_method_name", None)
     code = getattr(original, "__code__", None)
     if original is None or code is None or not {"stack", "function"} <= set(code.co_names) \
             or original.__defaults__ != (2,):
+        skip(QUICK_RENDEZVOUS_NAMES, "not needed on this version: torch's get_method_name does not read "
+                                     "inspect.stack() (left as it is)")
         return
 
     def get_method_name(depth: int = 2) -> str:

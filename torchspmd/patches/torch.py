@@ -17,7 +17,7 @@ MODULE_SLOTS = Patch(
     what="global parameter and buffer registration hooks record which module slots hold each tensor",
     why="mark_sharding annotates in place, as torch_xla: the sharded tensor goes into every slot that held the "
         "old one, found without walking the garbage collector",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="mark_sharding in place",
     targets=("torch.nn.modules.module:register_module_parameter_registration_hook",
              "torch.nn.modules.module:register_module_buffer_registration_hook"),
@@ -42,7 +42,7 @@ GLOBAL_VIEW_MODE = Patch(
     what="a TorchFunctionMode, entered for the process, lifts plain tensors that meet DTensors to replicated "
          "DTensors (GSPMD's unannotated means replicated) and makes host reads of sharded values whole",
     why="the global view: a program written for one device mixes its plain tensors with the global batches",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="the global view (use_spmd on the native engine)",
     targets=("torch.overrides:TorchFunctionMode",),
 )
@@ -63,8 +63,9 @@ OPTIMIZER_STEPS = Patch(
     what="the wrapper torch puts around every optimizer class's step; classes already built are wrapped again",
     why="a data-parallel program's optimizer step (plain parameters only) runs outside the global view's "
         "function mode: no Python call per operation, as under DDP",
-    checked="2.9.0, 2.13.0, 2.14.1",
-    feature="the automatic data-parallel path's optimizer step",
+    versions=">=2.13,<2.16",
+    feature="the automatic data-parallel path's optimizer step outside the function mode",
+    needed=False,
     targets=("torch.optim:Optimizer.profile_hook_step",),
 )
 
@@ -100,7 +101,7 @@ MODULE_FORWARD_HOOKS = Patch(
     library="torch",
     what="global forward pre- and post-hooks on every module call",
     why="the automatic data-parallel path finds the outermost module a program calls on global batches",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="the automatic data-parallel path",
     targets=("torch.nn.modules.module:register_module_forward_pre_hook",
              "torch.nn.modules.module:register_module_forward_hook",
@@ -137,7 +138,7 @@ PARAMETERS_ON_META = Patch(
     library="torch",
     what="parameters registered while a model is built go to the meta device; buffers stay real",
     why="a model too large for one process is built without memory, then materialised shard by shard",
-    checked="2.9.0, 2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="torchspmd train's model.meta_init",
     targets=("torch.nn:Module.register_parameter",),
 )
@@ -167,7 +168,7 @@ XLA_DEVICE = Patch(
          "that Tensor.to puts on that device named as xm.xla_device() names it, comes back as an OnXlaDevice (a "
          "plain tensor whose object has DTensor's layout); nn.Parameter of one is a plain tensor's parameter",
     why="--xla-compat: torch_xla programs name the 'xla' device, which PyTorch cannot use without torch_xla",
-    checked="2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="--xla-compat",
     targets=("torch:Tensor.to", "torch:autocast", "torch.amp:autocast", "torch.utils._device:_device_constructors",
              "torch.nn:Parameter.__new__"),
@@ -269,7 +270,7 @@ PROCESS_GROUP_XLA = Patch(
     why="--xla-compat: torch_xla programs ask for the 'xla' backend and the 'xla://' init method, which PyTorch "
         "lacks without torch_xla, and call init_process_group after use_spmd() has started the process group, "
         "which PyTorch refuses (torch has no extension point for a second call)",
-    checked="2.13.0, 2.14.1",
+    versions=">=2.13,<2.16",
     feature="--xla-compat",
     targets=("torch.distributed:init_process_group", "torch.distributed.distributed_c10d:init_process_group"),
 )
@@ -288,3 +289,25 @@ def wrap_init_process_group(outer: Callable[[Callable], Callable]) -> None:
         return lambda: [u() for u in reversed(undo)]
 
     apply(PROCESS_GROUP_XLA, install)
+
+
+ATTENTION_HEADS = Patch(
+    name="nn.MultiheadAttention.forward (per module, 'model' axis)",
+    library="torch",
+    what="the forward of an nn.MultiheadAttention whose projections are split over 'model' (that instance only) "
+         "computes this process's heads and sums the output projection over 'model'",
+    why="torch's parallel styles split Linear layers; nn.MultiheadAttention keeps its projections in one fused "
+        "parameter and calls F.multi_head_attention_forward, which has no tensor-parallel form",
+    versions=">=2.13,<2.16",
+    feature="tensor parallelism of nn.MultiheadAttention over 'model'",
+    targets=("torch.nn:MultiheadAttention.forward",),
+    signatures={"torch.nn:MultiheadAttention.forward": (
+        ("self", "query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+         "is_causal"),)},
+)
+
+
+def replace_attention_forward(mha: nn.MultiheadAttention, forward: Callable) -> None:
+    """``mha.forward`` (this instance only) becomes ``forward``, which takes its arguments."""
+    apply(ATTENTION_HEADS, lambda: None)
+    replace_attribute(mha, "forward", forward)

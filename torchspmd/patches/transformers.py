@@ -27,7 +27,7 @@ TRAINER_OVERRIDES = Patch(
          "nothing of transformers' is changed; checked because these are not public API)",
     why="the Trainer has no public extension points for a sharded model's data loading, gradient norm, checkpoint "
         "and resume",
-    checked="5.24.0, 5.25.0",
+    versions=">=5.24,<5.26",
     feature="torchspmd.hf.Trainer with the FSDPv2 arguments",
     targets=tuple(f"transformers.trainer:Trainer.{m}" for m in TRAINER_PRIVATE_METHODS),
 )
@@ -45,8 +45,8 @@ def check_trainer_overrides() -> None:
 
                 raise PatchUnavailable(
                     f"{TRAINER_OVERRIDES.feature} overrides transformers' Trainer.{name}, whose parameters changed in "
-                    f"transformers {version('transformers')} (no {', '.join(lacking)}); it was checked on "
-                    f"transformers {TRAINER_OVERRIDES.checked}: install one of those versions")
+                    f"transformers {version('transformers')} (no {', '.join(lacking)}); it was verified on "
+                    f"transformers{TRAINER_OVERRIDES.versions}: install transformers{TRAINER_OVERRIDES.versions}")
         return None
 
     apply(TRAINER_OVERRIDES, install)
@@ -59,7 +59,7 @@ TRAINER_CLASS = Patch(
          "stock trainer unless given the FSDPv2 arguments); subclasses defined before are rebased on it",
     why="--xla-compat: programs written for transformers' torch_xla FSDPv2 path (optimum-tpu's) use the stock "
         "Trainer and trl's SFTTrainer, which must train sharded as torchspmd.hf.Trainer does",
-    checked="5.24.0, 5.25.0",
+    versions=">=5.24,<5.26",
     feature="--xla-compat with transformers' Trainer",
     targets=("transformers.trainer:Trainer",),
 )

@@ -22,6 +22,11 @@ def _f(default: Any, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def _help(text: str, default: Any) -> str:
+    """A setting's ``--help`` line: its text and default, ``%`` escaped for argparse."""
+    return f"{text} (default: {default!r})".replace("%", "%%")
+
+
 @dataclass
 class ModelConfig:
     name: str = _f("llama", "architecture: 'seed' (torchspmd's decoder) or a transformers model type "
@@ -261,12 +266,12 @@ def load_toml(path: str | Path) -> dict:
                         f"strings in quotes, under [model], [data], ... tables") from None
 
 
-def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
-    p = _Parser(
-        prog=prog, allow_abbrev=False,
-        description="Pretrain or fine-tune a decoder language model with FSDPv2 on every local device. "
-                    "Settings come from a preset, then a TOML file, then these flags.",
-    )
+TRAIN_DESCRIPTION = ("Pretrain or fine-tune a decoder language model with FSDPv2 on every local device. "
+                     "Settings come from a preset, then a TOML file, then these flags.")
+
+
+def build_parser(prog: str = "torchspmd train", description: str = TRAIN_DESCRIPTION) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, allow_abbrev=False, description=description)
     p.add_argument("--config", help="TOML file with top-level keys and [model], [data], ... tables")
     p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
@@ -277,10 +282,10 @@ def build_parser(prog: str = "torchspmd train") -> argparse.ArgumentParser:
             for sf in fields(getattr(defaults, f.name)):
                 group.add_argument(f"--{f.name}.{sf.name}", dest=f"{f.name}.{sf.name}", default=None,
                                    metavar=sf.type.upper() if isinstance(sf.type, str) else None,
-                                   help=f"{sf.metadata['help']} (default: {getattr(getattr(defaults, f.name), sf.name)!r})")
+                                   help=_help(sf.metadata['help'], getattr(getattr(defaults, f.name), sf.name)))
         else:
             p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                           help=f"{f.metadata['help']} (default: {getattr(defaults, f.name)!r})")
+                           help=_help(f.metadata['help'], getattr(defaults, f.name)))
     p.add_argument("--resume", dest="checkpoint.resume", default=None, help="shorthand for --checkpoint.resume")
     return p
 
@@ -310,8 +315,9 @@ def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> Non
     raise SpmdError(f"{prog}: unknown option {option}{did_you_mean(option, known)} (--help lists the settings)")
 
 
-def from_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    parser = build_parser()
+def from_args(argv: list[str], prog: str = "torchspmd train",
+              description: str = TRAIN_DESCRIPTION) -> tuple[TrainConfig, argparse.Namespace]:
+    parser = build_parser(prog, description)
     ns, unknown = parser.parse_known_args(argv)
     _unknown_options(parser, unknown)
     values = {k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "list_presets", "print_config")}

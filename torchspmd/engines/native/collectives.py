@@ -295,8 +295,8 @@ SHARED_PARAMS_SWITCH = "TORCHSPMD_SHARED_PARAMS"
 
 def can_point_storages() -> bool:
     """This torch can make a parameter's storage point at memory it does not own and back
-    (``UntypedStorage._swap_data_ptr_``: torch 2.13 has it, 2.9 does not), and FSDP2's
-    all-gather and copy-out can be taken over (``torchspmd.patches.fsdp.SHARED_PARAMS``)."""
+    (``UntypedStorage._swap_data_ptr_``), and FSDP2's all-gather and copy-out can be taken
+    over (``torchspmd.patches.fsdp.SHARED_PARAMS``: its versions, names and signatures)."""
     return fsdp_patches.available()
 
 
@@ -304,13 +304,13 @@ def _shares_params(module) -> bool:
     """Whether ``module``'s FSDP2 unit can gather its parameters into shared memory: every
     parameter split on dim 0, gathered as one tensor (no ``fsdp_pre_all_gather`` extension),
     not offloaded, on the CPU."""
-    if os.environ.get(SHARED_PARAMS_SWITCH, "1") == "0" or not can_point_storages():
+    if os.environ.get(SHARED_PARAMS_SWITCH, "1") == "0":
         return False
     groups = module._get_fsdp_state()._fsdp_param_groups
     return bool(groups) and all(
         g.device.type == "cpu" and not fp.offload_to_cpu and fp.fsdp_placement.dim == 0
         and not hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
-        for g in groups for fp in g.fsdp_params)
+        for g in groups for fp in g.fsdp_params) and _take_over()
 
 
 def map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:
@@ -429,7 +429,6 @@ class SharedParamsAllGather(AllGather):
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.shared = _shared(group)
-        _take_over()
 
     def gather(self, fsdp_params, group: dist.ProcessGroup):
         """FSDP2's ``foreach_all_gather`` for this unit (taken over, :func:`_take_over`): this
@@ -501,14 +500,7 @@ def _hold(fsdp_param, region: _Region, shared: _SharedParams) -> None:
     """``fsdp_param``'s storage points into ``region`` until FSDP2 frees it."""
     region.holders += 1
     fsdp_param._torchspmd_region = (region, shared)
-    if "free_unsharded_param" not in vars(fsdp_param):
-        free = fsdp_param.free_unsharded_param
-
-        def free_unsharded_param():
-            _release(fsdp_param)
-            free()
-
-        fsdp_param.free_unsharded_param = free_unsharded_param
+    fsdp_patches.before_free(fsdp_param, _release)
 
 
 def _release(fsdp_param) -> None:
@@ -528,26 +520,51 @@ def _unreserve(region: _Region, shared: _SharedParams) -> None:
         region.freed_at = shared.epoch
 
 
-def _gather(original, fsdp_params, group, async_op, copy_in_stream, stream, device, all_gather_comm):
-    if isinstance(all_gather_comm, SharedParamsAllGather):
-        return all_gather_comm.gather(fsdp_params, group)
-    return original(fsdp_params, group, async_op, copy_in_stream, stream, device, all_gather_comm)
+def _gather(original, *args, **kwargs):
+    """FSDP2's ``foreach_all_gather(fsdp_params, group, async_op, copy_in_stream, stream,
+    device, all_gather_comm)`` (its signature checked when the patch is applied)."""
+    names = ("fsdp_params", "group", "async_op", "all_gather_copy_in_stream", "all_gather_stream", "device",
+             "all_gather_comm")
+    call = dict(zip(names, args), **kwargs)
+    comm = call.get("all_gather_comm")
+    if isinstance(comm, SharedParamsAllGather):
+        return comm.gather(call["fsdp_params"], call["group"])
+    return original(*args, **kwargs)
 
 
-def _copy_out(original, all_gather_result, fsdp_params, group):
+def _pending(all_gather_result):
+    """The shared-memory gather ``all_gather_result`` came from, taken off the pending list
+    (None: FSDP2's own gather)."""
     out = all_gather_result.all_gather_output
     pending = _PENDING.get(id(out))
     if pending is None or pending[0] is not out:
-        return original(all_gather_result, fsdp_params, group)
+        return None
     del _PENDING[id(out)]
-    pending[1].copy_out(all_gather_result, fsdp_params, group, pending[2])
+    return pending
 
 
-def _take_over() -> None:
+def _copy_out(original, all_gather_result, fsdp_params, *args, **kwargs):
+    """FSDP2's module-level ``foreach_all_gather_copy_out`` (torch 2.13-2.14)."""
+    pending = _pending(all_gather_result)
+    if pending is None:
+        return original(all_gather_result, fsdp_params, *args, **kwargs)
+    pending[1].copy_out(all_gather_result, fsdp_params, pending[1].group, pending[2])
+
+
+def _output(original, fsdp_params, all_gather_result, *args, **kwargs):
+    """A unit's own all-gather output function (torch 2.15's ``_all_gather_output_fn``)."""
+    pending = _pending(all_gather_result)
+    if pending is None:
+        return original(fsdp_params, all_gather_result, *args, **kwargs)
+    pending[1].copy_out(all_gather_result, fsdp_params, pending[1].group, pending[2])
+
+
+def _take_over() -> bool:
     """FSDP2's all-gather and copy-out, for the units gathered by
     :class:`SharedParamsAllGather`: theirs is theirs, every other unit's go to FSDP2's own
-    (``torchspmd.patches.fsdp.SHARED_PARAMS``)."""
-    fsdp_patches.route_all_gathers(_gather, _copy_out)
+    (``torchspmd.patches.fsdp.SHARED_PARAMS``). False: the patch cannot apply on this torch
+    (one warning says why) and the units gather as FSDP2 does."""
+    return fsdp_patches.route_all_gathers(_gather, _copy_out)
 
 
 def sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -629,6 +646,9 @@ def install(module, collectives: str, one_group: bool = True) -> str:
             pg = groups[0].mesh_info.shard_process_group
             gather = SharedParamsAllGather(pg) if _shares_params(module) else SharedMemoryAllGather(pg)
             module.set_custom_all_gather(gather)
+            if isinstance(gather, SharedParamsAllGather) and fsdp_patches.output_hook_per_unit():
+                for g in groups:
+                    fsdp_patches.set_output_function(g, _output)
             module.set_custom_reduce_scatter(SharedMemoryReduceScatter(pg))
     return variant
 

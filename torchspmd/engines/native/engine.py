@@ -12,15 +12,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
-import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from torchspmd import hlo, sharding_table
+from torchspmd import hlo, patches, sharding_table
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.engines.native import (
     activation_checkpointing,
@@ -45,15 +43,23 @@ from torchspmd.engines.native.collectives import CHOICES
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
+from torchspmd.patches import torch as torch_patches
+from torchspmd.patches.python import silence_output
 
-# The native engine (DTensor, FSDP2) is tested on these torch versions; torch 2.9's DTensor lacks
-# sharding rules it relies on (detach_, masked_fill_, argmax, batch norm). torch_xla 2.9 (the
-# torch_xla engine) needs torch 2.9, so the package's own requirement stays torch>=2.9.
-TESTED_TORCH = "2.13"
+#: The torch versions the native engine is tested on (CI: the suite on the lowest, the smoke
+#: subset on the highest). torch 2.9-2.12's DTensor lacks sharding rules the engine relies on
+#: (detach_, masked_fill_, argmax, batch norm); torch_xla 2.9 (the torch_xla engine) keeps
+#: torch 2.9, so the package's own requirement stays torch>=2.9.
+SUPPORTED_TORCH = ">=2.13,<2.16"
 
-
-class OlderTorchWarning(UserWarning):
-    """The native engine runs on a torch older than the one it is tested with."""
+#: The patches the engine applies at its start or later, mid-run (the first checked forward,
+#: a mesh over reordered devices, a model built on the meta device): checked at its start.
+#: (FSDPv2's shared parameters are checked when a unit is wrapped; the uneven-gathers guard
+#: knows the torch versions that need it.)
+PATCHES = (torch_patches.MODULE_SLOTS, torch_patches.GLOBAL_VIEW_MODE, torch_patches.OPTIMIZER_STEPS,
+           torch_patches.MODULE_FORWARD_HOOKS, torch_patches.PARAMETERS_ON_META, dtensor_patches.OP_HANDLERS,
+           dtensor_patches.GROUPS_IN_MESH_ORDER, dtensor_patches.REDISTRIBUTION_COUNT,
+           dtensor_patches.REDISTRIBUTION_FALLBACK, dtensor_patches.XLA_SHARDED_TENSOR)
 
 
 class NativeEngine(Engine):
@@ -84,13 +90,12 @@ class NativeEngine(Engine):
                 "use_spmd(auto=True): auto-sharding is torch_xla's (the torch_xla engine); the native engine does "
                 "not support it: annotate shardings with mark_sharding / FSDPv2 instead"
             )
+        _require_supported_torch(backend)
         if not topology.launched() and not dist.is_initialized():
             n = topology.configured_processes(backend, num_devices)
             if n > 1:
                 raise SystemExit(launcher.relaunch_current_script(n))
         self._init_process_group(backend)
-        if dist.get_rank() == 0:
-            _warn_older_torch(backend)
         failures.record_failures()  # uncaught errors -> torchrun's error file, for the summary
         self._backend = backend
         topology.set_device_type(backend)
@@ -102,6 +107,11 @@ class NativeEngine(Engine):
             device = torch.device("cpu")
         # One program: every process continues from rank 0's random state (docs/guide.md).
         rng.synchronize(backend)
+        if dist.get_rank() != 0 and not topology.all_ranks_output():
+            # The global view: the program prints once, as one process would.
+            silence_output()
+        # every patch the engine applies, now or later mid-run, checked before any step
+        patches.verify(PATCHES)
         module_slots.install()
         implicit_replication.install()
         exact_ops.install()
@@ -110,10 +120,6 @@ class NativeEngine(Engine):
         data_parallel.install_auto()
         dtensor_patches.guard_uneven_gathers()
         redistribution.install()
-        if dist.get_rank() != 0 and not topology.all_ranks_output():
-            # The global view: the program prints once, as one process would.
-            sys.stdout = open(os.devnull, "w")
-            warnings.simplefilter("ignore")
         return device
 
     def _init_process_group(self, backend: str) -> None:
@@ -287,14 +293,19 @@ class NativeEngine(Engine):
         optimizer.zero_grad(set_to_none=True)
 
 
-def _warn_older_torch(backend: str) -> None:
-    """Say once (rank 0) that this torch is older than the native engine's tested one: some
-    operations then fail inside DTensor, on whichever first lacks a sharding rule."""
-    if torch.__version__ >= TESTED_TORCH:
+def _require_supported_torch(backend: str) -> None:
+    """The native engine refuses a torch outside the versions it is tested on, before any
+    process starts (``TORCHSPMD_UNTESTED_VERSIONS=1`` lets a newer one through)."""
+    if patches.in_range(torch.__version__, SUPPORTED_TORCH):
         return
-    warnings.warn(
-        f"use_spmd(): the native engine ({backend}) is tested on torch>={TESTED_TORCH}, this is torch "
-        f"{torch.__version__}: its DTensor lacks sharding rules the engine relies on (on torch 2.9: detach_, "
-        f"masked_fill_, argmax, batch norm), and programs that reach one fail there (NotImplementedError). "
-        f"Install torch>={TESTED_TORCH}, or run on the torch_xla engine (torch_xla of this torch's version, with "
-        f"PJRT_DEVICE set or TORCHSPMD_BACKEND=xla)", OlderTorchWarning, stacklevel=4)
+    if os.environ.get(patches.UNTESTED_VERSIONS) == "1" and patches.in_range(torch.__version__, ">=2.13"):
+        return
+    raise SpmdError(
+        f"use_spmd(): the native engine ({backend}) supports torch{SUPPORTED_TORCH}, and this is torch "
+        f"{torch.__version__}. "
+        + ("Its DTensor lacks sharding rules the engine relies on (on torch 2.9: detach_, masked_fill_, argmax, "
+           "batch norm). Install torch>=2.13, or run on the torch_xla engine (torch_xla of this torch's version, "
+           "with PJRT_DEVICE set or TORCHSPMD_BACKEND=xla)"
+           if not patches.in_range(torch.__version__, ">=2.13") else
+           f"It is newer than any torch the engine is tested on: install torch{SUPPORTED_TORCH}, or set "
+           f"{patches.UNTESTED_VERSIONS}=1 to try it (patches outside their verified versions are then applied)"))

@@ -378,12 +378,8 @@ def _batch_norm_eval_backward(op, args, kwargs):
 
 def _default(op, args, kwargs):
     """DTensor's own handling of ``op`` (bypassing the handler registered here)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    mine = handlers.pop(op)
-    try:
+    with dtensor_patches.without_handler(op):
         return op(*args, **kwargs)
-    finally:
-        handlers[op] = mine
 
 
 def _split_twice_strided(x: DTensor) -> bool:

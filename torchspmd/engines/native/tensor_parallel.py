@@ -43,6 +43,7 @@ from torchspmd.engines.native import rng as _rng
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.module_edges import in_local_compute
 from torchspmd.errors import SpmdError
+from torchspmd.patches import torch as torch_patches
 
 COL, ROW, MHA = "colwise", "rowwise", "attention"
 
@@ -485,7 +486,7 @@ def _attention_to_tp(mha: nn.MultiheadAttention, tp_mesh) -> None:
                            shape=wo.shape, stride=wo.stride()), requires_grad=out.weight.requires_grad)
     if out.bias is not None:
         out._parameters["bias"] = nn.Parameter(_whole(out.bias), requires_grad=out.bias.requires_grad)
-    mha.forward = functools.partial(_attention_forward, mha, tp_mesh)
+    torch_patches.replace_attention_forward(mha, functools.partial(_attention_forward, mha, tp_mesh))
 
 
 def _attention_forward(mha: nn.MultiheadAttention, tp_mesh, query, key, value, key_padding_mask=None,
