@@ -162,7 +162,7 @@ def locked(name: str) -> str:
 def newest(name: str) -> str:
     """Environment NAME-newest: the newest releases the package's ranges admit, torch as NAME
     pins it (``newest``: as the package's range admits: what a fresh unpinned install gets)."""
-    path = cache() / f"{name}-newest-venv"
+    path = cache() / ("newest-venv" if name == "newest" else f"{name}-newest-venv")
     python = str(path / "bin" / "python")
     python = venv(path, clear=not (Path(python).exists() and importable(python, name)))
     pins = [torch_requirement()] if name == "newest" else TORCH[name]

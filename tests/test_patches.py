@@ -52,9 +52,7 @@ def test_nothing_at_import_the_engines_at_use_spmd_all_undone():
 
 
 def _missing_target():
-    import torch
-
-    from torchspmd.patches import Patch, PatchUnavailable, apply
+    from torchspmd.patches import Patch, PatchUnavailable, apply, version
 
     patch = Patch(name="example", library="torch", what="changes DTensor's missing thing", why="a test",
                   versions=">=2.13", feature="the example feature",
@@ -62,8 +60,8 @@ def _missing_target():
     try:
         apply(patch, lambda: None)
     except PatchUnavailable as e:
-        return str(e), torch.__version__
-    return "applied", torch.__version__
+        return str(e), version("torch")
+    return "applied", version("torch")
 
 
 def test_a_missing_target_names_the_library_version_and_the_feature():
@@ -139,11 +137,11 @@ def _outside_range(needed: bool, untested: bool):
 
 
 def test_a_needed_patch_outside_its_versions_is_refused_naming_them():
-    import torch
+    from torchspmd.patches import version
 
     kind, message, _, installed = run_clean(_outside_range, True, False, allow_torchspmd=True)
     assert kind == "refused" and not installed
-    assert message.startswith(f"the example feature needs an example change: torch {torch.__version__} is outside the "
+    assert message.startswith(f"the example feature needs an example change: torch {version('torch')} is outside the "
                               "versions torchspmd's patch 'example range' was verified on (torch>=1.0,<2.0)"), message
     assert "TORCHSPMD_UNTESTED_VERSIONS=1 applies it anyway" in message
 

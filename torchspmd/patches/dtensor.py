@@ -69,6 +69,8 @@ UNEVEN_GATHERS = Patch(
     versions=">=2.13,<2.16",
     feature="uneven tensors split over several mesh axes",
     targets=("torch.distributed.tensor._redistribute:_optimize_transform_infos",),
+    signatures={"torch.distributed.tensor._redistribute:_optimize_transform_infos": (
+        ("transform_infos", "device_mesh", "src_placements", "dst_placements"),)},
 )
 
 
@@ -87,6 +89,7 @@ def guard_uneven_gathers() -> None:
     def install():
         original = r._optimize_transform_infos
 
+        @functools.wraps(original)
         def guarded(transform_infos, device_mesh, *args, **kwargs):
             dims: dict[int, tuple[int, int]] = {}
             for info in transform_infos:
@@ -131,6 +134,8 @@ def groups_in_mesh_order():
     return applied(GROUPS_IN_MESH_ORDER, install)
 
 
+_REDISTRIBUTE = "torch.distributed.tensor._redistribute:redistribute_local_tensor"
+
 REDISTRIBUTION_COUNT = Patch(
     name="torch.distributed.tensor redistribute_local_tensor (counting)",
     library="torch",
@@ -140,7 +145,9 @@ REDISTRIBUTION_COUNT = Patch(
         "no data",
     versions=">=2.13,<2.16",
     feature="the automatic data-parallel path",
-    targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
+    targets=(_REDISTRIBUTE,),
+    signatures={_REDISTRIBUTE: (("local_tensor", "current_spec", "target_spec", "async_op", "use_graph_based_transform",
+                                 "is_explicit"),)},
 )
 
 _REDISTRIBUTING_MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
@@ -158,6 +165,7 @@ def counting_redistributions(seen: Callable[[], None]):
                 seen()
                 continue
 
+            @functools.wraps(original)
             def counting(local, current_spec, target_spec, *a, _original=original, **k):
                 if current_spec.placements != target_spec.placements or current_spec.mesh != target_spec.mesh:
                     seen()
@@ -181,7 +189,9 @@ REDISTRIBUTION_FALLBACK = Patch(
         "step); Pattern 1 on a (data, model) mesh failed in backward (docs/guide.md)",
     versions=">=2.13,<2.16",
     feature="Pattern 1 on meshes of two or more axes",
-    targets=("torch.distributed.tensor._redistribute:redistribute_local_tensor",),
+    targets=(_REDISTRIBUTE,),
+    signatures={_REDISTRIBUTE: (("local_tensor", "current_spec", "target_spec", "async_op", "use_graph_based_transform",
+                                 "is_explicit"),)},
 )
 
 
@@ -196,6 +206,7 @@ def redistribute_through(fallback: Callable) -> None:
             if original is None:  # another torch: its module calls the redistribute module's function
                 continue
 
+            @functools.wraps(original)
             def through(local, current_spec, target_spec, *a, _original=original, **k):
                 return fallback(_original, local, current_spec, target_spec, *a, **k)
 

@@ -17,6 +17,7 @@ EVERY_FAILURE = Patch(
     feature="forked workers' failure summary",
     needed=False,
     targets=("torch.distributed.elastic.multiprocessing.api:MultiprocessContext._poll",),
+    signatures={"torch.distributed.elastic.multiprocessing.api:MultiprocessContext._poll": (("self",),)},
 )
 
 

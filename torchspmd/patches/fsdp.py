@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from torchspmd.patches import Patch, apply, parameters, replace_attribute, resolve
@@ -61,11 +62,13 @@ def route_all_gathers(gather: Callable, copy_out: Callable) -> bool:
 
         original_gather, original_copy_out = group_mod.foreach_all_gather, group_mod.foreach_all_gather_copy_out
 
+        @functools.wraps(original_gather)
         def foreach_all_gather(*args, **kwargs):
             return gather(original_gather, *args, **kwargs)
 
         undo = [replace_attribute(group_mod, "foreach_all_gather", foreach_all_gather)]
         if not output_hook_per_unit():
+            @functools.wraps(original_copy_out)
             def foreach_all_gather_copy_out(*args, **kwargs):
                 return copy_out(original_copy_out, *args, **kwargs)
 

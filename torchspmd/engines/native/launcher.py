@@ -285,6 +285,14 @@ def launch(torchrun_args: list[str], nproc: int | None) -> int:
         logger.removeFilter(agent_log)
         if fork:
             torchrun.run_script_path = entry
+            # The launcher's objects were frozen for the forks (gc.freeze): let the collector
+            # have them again, so that what extension modules (triton, imported by torch._dynamo
+            # in torch's CUDA builds) hold is freed before the interpreter ends instead of being
+            # reported as leaked there ("nanobind: leaked ...").
+            import gc
+
+            gc.unfreeze()
+            gc.collect()
     return 0
 
 
