@@ -40,14 +40,30 @@ def test_layer_text_equals_torch_xlas(ts, case):
     assert hlo.from_partition_spec(np.array(ids).reshape(shape), names, spec) == theirs
 
 
-def test_the_switch_says_it_shadows_an_installed_torch_xla(tmp_path):
+def test_the_switch_says_it_shadows_an_installed_torch_xla_and_refuses_this_torch(tmp_path):
+    """With torch_xla installed the switch says that it shadows it; on this environment's torch
+    (2.9, below what the native engine and the layer's patches are verified on) it then refuses
+    to start, once, naming the versions, without a traceback."""
     script = tmp_path / "probe.py"
     script.write_text("import torch_xla, torch_xla.runtime as xr\nprint(torch_xla.__version__, xr.world_size())\n")
     r = subprocess.run([sys.executable, "-m", "torchspmd.compat", str(script)], capture_output=True, text=True,
                        timeout=300, cwd=ROOT, env=clean_env(PYTHONPATH=ROOT))
+    assert r.returncode == 2 and not r.stdout, (r.stdout, r.stderr[-3000:])
+    assert "torch_xla is installed" in r.stderr and "is shadowed" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("torchspmd --xla-compat: --xla-compat needs ") == 1, r.stderr[-3000:]
+    assert "is outside the versions torchspmd's patch" in r.stderr and "install torch>=2.13,<2.16" in r.stderr
+
+
+def test_the_switch_runs_a_probe_in_the_native_environment(tmp_path):
+    """The same probe under the switch in the native engine's environment (no torch_xla there):
+    torch_xla's SPMD view of one process."""
+    script = tmp_path / "probe.py"
+    script.write_text("import torch_xla, torch_xla.runtime as xr\nprint(torch_xla.__version__, xr.world_size())\n")
+    r = subprocess.run([native_python(), "-m", "torchspmd.compat", str(script)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env=clean_env(PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["2.9.0+torchspmd.compat", "1"]
-    assert "torch_xla is installed" in r.stderr and "is shadowed" in r.stderr
 
 
 def _result(cmd, env) -> dict:

@@ -9,6 +9,7 @@ import runpy
 import sys
 
 from torchspmd import compat
+from torchspmd.errors import SpmdError
 
 USAGE = ("usage: python -m torchspmd.compat script.py [args...]\n"
          "       python -m torchspmd.compat -m module [args...]\n"
@@ -20,7 +21,11 @@ def main(argv: list[str]) -> None:
         print(USAGE)
         raise SystemExit(0 if argv else 2)
 
-    compat.install()
+    try:
+        compat.install()
+    except SpmdError as e:  # e.g. a torch the layer's patches were not verified on: said once, no traceback
+        print(f"torchspmd --xla-compat: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if argv[0] == "-m":
         if len(argv) < 2:
             print(USAGE, file=sys.stderr)
