@@ -73,6 +73,9 @@ class Patch:
     #: target -> the parameter lists it was verified with (any one of them); a replaced private
     #: function's parameters, compared when the patch is applied
     signatures: Mapping[str, tuple[tuple[str, ...], ...]] = dataclasses.field(default_factory=dict)
+    #: a further check of what targets and signatures cannot say (e.g. a shape that depends on
+    #: the version): returns why the patch cannot apply, or None
+    also: Callable[[], str | None] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         try:
@@ -109,6 +112,11 @@ class Patch:
                             + " or ".join(f"({', '.join(w)})" for w in wanted)
                             + f" as torchspmd's patch {self.name!r} was verified with "
                               f"({self.library}{self.versions})")
+        if self.also is not None:
+            problem = self.also()
+            if problem is not None:
+                return (f"{problem} in {self.library} {have}; torchspmd's patch {self.name!r} was verified on "
+                        f"{self.library}{self.versions}")
         return None
 
     def check(self) -> None:

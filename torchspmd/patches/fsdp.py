@@ -14,6 +14,25 @@ _COPY_OUT = f"{_GROUP}:foreach_all_gather_copy_out"
 #: there each unit gathered through shared memory gets its own, and the module's copy-out stays
 _COPY_OUT_WITH_HOOK = ("all_gather_result", "fsdp_params", "group", "all_gather_output_fn")
 
+_DEFAULT_OUTPUT = "torch.distributed.fsdp._fully_shard._fsdp_collectives:_default_all_gather_output_fn"
+_OUTPUT_PARAMETERS = ("fsdp_params", "all_gather_result", "world_size")
+
+
+def _output_hook_as_verified() -> str | None:
+    """Where the copy-out takes a unit's own output function (torch 2.15), that function is
+    called as ``(fsdp_params, all_gather_result, world_size)``, as verified."""
+    if parameters(resolve(_COPY_OUT)) != _COPY_OUT_WITH_HOOK:
+        return None
+    try:
+        default = resolve(_DEFAULT_OUTPUT)
+    except (ImportError, AttributeError):
+        return f"{_COPY_OUT} takes all_gather_output_fn but {_DEFAULT_OUTPUT} is missing"
+    if parameters(default) != _OUTPUT_PARAMETERS:
+        return (f"{_DEFAULT_OUTPUT} takes ({', '.join(parameters(default) or ('?',))}), not "
+                f"({', '.join(_OUTPUT_PARAMETERS)})")
+    return None
+
+
 SHARED_PARAMS = Patch(
     name="FSDP2 foreach_all_gather / foreach_all_gather_copy_out",
     library="torch",
@@ -27,6 +46,7 @@ SHARED_PARAMS = Patch(
     versions=">=2.13,<2.16",
     feature="FSDPv2's gathered parameters held once per machine (CPU, one host: collectives='shm')",
     needed=False,
+    also=_output_hook_as_verified,
     targets=(_GATHER, _COPY_OUT, "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs",
              "torch.distributed.fsdp._fully_shard._fsdp_collectives:AllGatherResult",
              "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.free_unsharded_param",
@@ -78,15 +98,26 @@ def route_all_gathers(gather: Callable, copy_out: Callable) -> bool:
     return apply(SHARED_PARAMS, install)
 
 
+def can_set_output_function(param_group) -> bool:
+    """Whether ``param_group`` (an FSDPParamGroup) holds its own output function as verified
+    (torch 2.15's default, or one this module set: not one set by someone else)."""
+    fn = getattr(param_group, "_all_gather_output_fn", None)
+    return fn is not None and (getattr(fn, "_torchspmd_output", False) or fn is resolve(_DEFAULT_OUTPUT))
+
+
 def set_output_function(param_group, fn: Callable) -> None:
     """torch 2.15: ``fn(original, fsdp_params, all_gather_result, world_size)`` copies out the
     gathered parameters of ``param_group`` (an FSDPParamGroup; ``original``: its own function)."""
     original = param_group._all_gather_output_fn
+    if getattr(original, "_torchspmd_output", False):
+        return
 
+    @functools.wraps(original)
     def output_fn(*args, **kwargs):
         return fn(original, *args, **kwargs)
 
-    param_group._all_gather_output_fn = output_fn
+    output_fn._torchspmd_output = True
+    replace_attribute(param_group, "_all_gather_output_fn", output_fn)
 
 
 def before_free(fsdp_param, release: Callable) -> None:

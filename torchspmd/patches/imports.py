@@ -12,7 +12,7 @@ XLA_MODULES = Patch(
     what="a finder first on sys.meta_path resolves torch_xla.* and optimum.tpu.* to torchspmd's layer and patches "
          "transformers.trainer when it loads",
     why="--xla-compat: torch_xla programs run unchanged, their imports answered by torchspmd",
-    versions=">=3.10,<3.13",
+    versions=">=3.10",  # sys.meta_path finders (PEP 451): public, stable Python API
     feature="--xla-compat",
 )
 

@@ -15,7 +15,7 @@ QUIET_REPLICAS = Patch(
          "warning (stderr, and so errors and tracebacks, stays)",
     why="the global view: N processes are one program, which prints once, as one process would "
         "(TORCHSPMD_ALL_RANKS_OUTPUT=1 keeps every process's output)",
-    versions=">=3.10,<3.13",
+    versions=">=3.10",  # sys.stdout and warnings.filters: public, stable Python API
     feature="a program's output printed once (the native engine)",
 )
 

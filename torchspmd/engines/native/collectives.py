@@ -7,8 +7,9 @@ variants (what each computes exactly: ``docs/performance.md``, measured by
 ``tests/test_collectives.py``):
 
 - ``"shm"`` (processes of one machine): the collectives go through shared memory. Where
-  torch lets a storage point at memory it does not own (``UntypedStorage._swap_data_ptr_``:
-  torch 2.13 has it, 2.9 does not) and the unit's parameters are split on dim 0 and gathered as one
+  torch lets a storage point at memory it does not own (``UntypedStorage._swap_data_ptr_``),
+  FSDP2's all-gather can be taken over (``torchspmd.patches.fsdp.SHARED_PARAMS``, checked for
+  this torch's version and signatures) and the unit's parameters are split on dim 0 and gathered as one
   tensor each, the gathered parameters themselves live in shared memory, once for all the
   processes (:class:`SharedParamsAllGather`): each process copies its shards straight from
   its sharded parameters into their places in a shared region laid out parameter by
@@ -310,7 +311,8 @@ def _shares_params(module) -> bool:
     return bool(groups) and all(
         g.device.type == "cpu" and not fp.offload_to_cpu and fp.fsdp_placement.dim == 0
         and not hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
-        for g in groups for fp in g.fsdp_params) and _take_over()
+        for g in groups for fp in g.fsdp_params) and _take_over() \
+        and (not fsdp_patches.output_hook_per_unit() or all(fsdp_patches.can_set_output_function(g) for g in groups))
 
 
 def map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:

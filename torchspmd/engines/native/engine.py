@@ -44,7 +44,7 @@ from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.patches import torch as torch_patches
-from torchspmd.patches.python import silence_output
+from torchspmd.patches.python import QUIET_REPLICAS, silence_output
 
 #: The torch versions the native engine is tested on (CI: the suite on the lowest, the smoke
 #: subset on the highest). torch 2.9-2.12's DTensor lacks sharding rules the engine relies on
@@ -59,7 +59,7 @@ SUPPORTED_TORCH = ">=2.13,<2.16"
 PATCHES = (torch_patches.MODULE_SLOTS, torch_patches.GLOBAL_VIEW_MODE, torch_patches.OPTIMIZER_STEPS,
            torch_patches.MODULE_FORWARD_HOOKS, torch_patches.PARAMETERS_ON_META, dtensor_patches.OP_HANDLERS,
            dtensor_patches.GROUPS_IN_MESH_ORDER, dtensor_patches.REDISTRIBUTION_COUNT,
-           dtensor_patches.REDISTRIBUTION_FALLBACK, dtensor_patches.XLA_SHARDED_TENSOR)
+           dtensor_patches.REDISTRIBUTION_FALLBACK, dtensor_patches.XLA_SHARDED_TENSOR, QUIET_REPLICAS)
 
 
 class NativeEngine(Engine):
@@ -107,11 +107,11 @@ class NativeEngine(Engine):
             device = torch.device("cpu")
         # One program: every process continues from rank 0's random state (docs/guide.md).
         rng.synchronize(backend)
+        # every patch the engine applies, now or later mid-run, checked before any step
+        patches.verify(PATCHES)
         if dist.get_rank() != 0 and not topology.all_ranks_output():
             # The global view: the program prints once, as one process would.
             silence_output()
-        # every patch the engine applies, now or later mid-run, checked before any step
-        patches.verify(PATCHES)
         module_slots.install()
         implicit_replication.install()
         exact_ops.install()
