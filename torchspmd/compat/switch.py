@@ -145,8 +145,9 @@ def _xla_redistribute_mesh(mesh, t, placements):
                              f"({len(mesh.mesh_shape)})")
         for p in placements:
             if isinstance(p, Partial):
-                raise NotImplementedError("Partial placement is not supported by XLAShardedTensor.redistribute "
-                                          "(torch_xla's rule); use Shard or Replicate placements instead")
+                raise NotImplementedError(  # by design: torch_xla refuses it too
+                    "Partial placement is not supported by XLAShardedTensor.redistribute (torch_xla's rule); use "
+                    "Shard or Replicate placements instead")
             if isinstance(p, Shard) and not -t.dim() <= p.dim < t.dim():
                 raise IndexError(f"Shard dimension {p.dim} is out of bounds for tensor with {t.dim()} dimensions")
     return mesh.device_mesh

@@ -156,7 +156,7 @@ class Engine(abc.ABC):
 
     def device_mesh(self, mesh):
         """The ``torch.distributed.DeviceMesh`` of ``mesh``, on engines built on DTensor."""
-        raise NotImplementedError(f"the {self.name} engine has no DeviceMesh")
+        raise NotImplementedError(f"the {self.name} engine has no DeviceMesh")  # by design: engines without DTensor
 
     def set_global_mesh(self, mesh) -> None:
         """Engines with meshes of their own keep the global mesh (the public layer keeps it
@@ -213,7 +213,7 @@ class Engine(abc.ABC):
     def pipeline(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str,
                  example_inputs):
         """The runner of ``model`` cut into stages over ``axis`` (engines with ``pipeline_stages``)."""
-        raise NotImplementedError(f"the {self.name} engine has no pipeline stages")
+        raise NotImplementedError(f"the {self.name} engine has no pipeline stages")  # by design: optional
 
     @abc.abstractmethod
     def fully_shard(self, module: nn.Module, mesh, shard_output: Callable | None, auto_wrap_policy: Callable | None,
