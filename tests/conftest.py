@@ -13,6 +13,11 @@ from _pool import Pool  # noqa: E402
 _POOLS: dict[int, Pool] = {}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-n", type=int, default=0,
+                     help="tests/test_fuzz.py: this many more random programs per world size than CI's seeds")
+
+
 @pytest.fixture(scope="session")
 def dist():
     """``dist(world).run(fn, *args)`` runs ``fn`` on every rank of a gloo group of size

@@ -65,8 +65,8 @@ def test_gradient_accumulation_exact(dist, world, wrap):
 @pytest.mark.parametrize("world", [2, 4])
 def test_row_local_in_a_layout_dtensor_cannot_express_takes_the_path(dist, world):
     # The seed's decoder: nn.MultiheadAttention returns its weights through a (sequence *
-    # batch) view, where DTensor gathers the batch. The probe finds each row computed from
-    # its own row: the local path, exact, with a last batch of 7 rows (uneven).
+    # batch) view, where DTensor gathers the batch: listed as row-local by its type
+    # (row_locality.ROW_LOCAL_LAYERS), so the local path, exact, with a last batch of 7 rows (uneven).
     ref = run_clean(run, "seed-decoder", 8 * 2 + 7, 8)
     results = dist(world).run(run, "seed-decoder", 8 * 2 + 7, 8, spmd=True)
     _check(results, ref)
@@ -84,8 +84,8 @@ def _recurrent(auto: bool):
 @pytest.mark.parametrize("world,auto", [(2, True), (4, True), (2, False)], ids=["2-path", "4-path", "2-dtensor"])
 def test_recurrent_layers_run_through_dtensor_and_take_the_path(dist, world, auto):
     # nn.LSTM / nn.GRU: on CPU a oneDNN op DTensor has no rule for, so the global view runs
-    # them decomposed; the first call regathers the batch (time-major inside), the probe
-    # finds them row-local, and later calls compute locally. Without the path: DTensor, exact.
+    # them decomposed; the first call regathers the batch (time-major inside); they are
+    # row-local by their type, and later calls compute locally. Without the path: DTensor, exact.
     ref = run_clean(run, "recurrent", 8 * 2 + 7, 8)
     results = dist(world).run(_recurrent, auto)
     # atol 1e-5: one device runs oneDNN's fused layers, the DTensor calls their decomposition
@@ -107,7 +107,7 @@ def test_annotated_parameter_keeps_the_sharded_path(dist):
     ({"inner_loss": True}, [False]),  # a global loss returned by forward: stays on DTensor
     ({"unused": True}, [True]),  # a parameter no forward uses: DDP told to look for it
     ({"norm": "eval"}, [True]),  # BatchNorm with running statistics: each row on its own
-    ({"cumsum": True}, [False]),  # later rows depend on earlier ones: DTensor regathers, the probe says mixed
+    ({"cumsum": True}, [False]),  # later rows depend on earlier ones: DTensor regathers: not proven
 ], ids=["batchnorm", "inner-loss", "unused-parameter", "batchnorm-eval", "cumsum"])
 def test_decision_follows_the_program(dist, net_kwargs, expected):
     ref = run_clean(run, "net", 8 * 3, 8, net_kwargs=net_kwargs)

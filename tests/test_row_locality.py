@@ -1,11 +1,13 @@
-"""row_locality.probe: whether a module computes each row from that row alone, and that
-probing leaves no trace (buffers, the random stream)."""
+"""row_locality: the batch-size half of the automatic path's proof (a symbolic trace of the
+local forward), and the table of torch layers row-local by type. The layouts half (DTensor,
+no redistribution) and the whole path are tested against one device in
+test_auto_replicate.py and test_row_mixing.py."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from torchspmd.engines.native.row_locality import probe
+from torchspmd.engines.native.row_locality import batch_size_proof, row_local_layer
 
 
 class Lambda(nn.Module):
@@ -18,40 +20,59 @@ class Lambda(nn.Module):
         return self.fn(self.lin(x))
 
 
-@pytest.mark.parametrize("fn,expected", [
+def _branch_on_size(h):
+    return h * 2 if h.shape[0] > 4 else h
+
+
+def _branch_on_values(h):
+    return h * 2 if h.sum() > 0 else h
+
+
+@pytest.mark.parametrize("fn,proven", [
     (lambda h: h, True),
     (lambda h: torch.softmax(h, -1) * h, True),
-    (lambda h: h - h.mean(0), False),  # every row depends on all rows
-    (lambda h: h + h.amax(0), False),  # the same: an exact statistic, unchanged by reordering the rows
-    (lambda h: h.cumsum(0), False),  # later rows depend on earlier ones only
-    (lambda h: h.flip(0).cumsum(0).flip(0), False),  # earlier rows depend on later ones only
-    (lambda h: h.sum(), False),  # no rows in the output
-    (lambda h: (h, h.sum(0)), False),  # one output without the batch on dim 0
-    (lambda h: h.reshape(-1), False),  # the rows merged: dim 0 is no longer the batch
-], ids=["identity", "softmax", "mean-over-batch", "max-over-batch", "cumsum", "reverse-cumsum", "scalar", "pair", "flat"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_probe_tells_row_local_from_row_mixing(fn, expected, rows):
+    (lambda h: h.view(h.shape[0], 5, 1).reshape(h.size(0), -1), True),  # the size shapes views only
+    (lambda h: h + torch.zeros(5).expand(h.shape[0], 5), True),  # expanded to the batch: a view
+    (lambda h: h * h.shape[0], False),  # the batch size as a scale
+    (lambda h: h / len(h), False),
+    (lambda h: h + torch.arange(h.shape[0])[:, None], False),  # values made from the size
+    (lambda h: h + torch.zeros(h.shape[0], 1), False),  # a new tensor of the batch's size (not proven)
+    (lambda h: h[: h.shape[0] // 2], False),  # a slice length
+    (_branch_on_size, False),  # true for 7 rows, not for 3
+    (_branch_on_values, False),  # cannot be traced without values
+], ids=["identity", "softmax", "views", "expand", "scale", "len", "arange", "zeros", "slice", "branch-on-size",
+        "branch-on-values"])
+def test_batch_size_proof(fn, proven):
     torch.manual_seed(0)
-    assert probe(Lambda(fn), (torch.randn(rows, 5),), {}, rows) is expected
+    why = batch_size_proof(Lambda(fn), (torch.randn(3, 5),), {}, 3)
+    assert (why is None) is proven, why
 
 
-def test_probe_leaves_buffers_and_the_random_stream_as_they_were():
+def test_sizes_of_two_and_more_are_alike_to_the_proof():
+    # h.shape[0] > 1 holds for every batch of 2 rows or more: no branch there (a process with
+    # fewer rows is left to DTensor by the path, test_row_mixing.py)
+    assert batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 1 else h), (torch.randn(3, 5),), {}, 3) is None
+    assert batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 2 else h), (torch.randn(3, 5),), {}, 3) is not None
+
+
+def test_one_row_is_traced_with_a_symbolic_size():
+    # traced with 1 row, torch would specialise the size to a constant and hide its use
+    assert batch_size_proof(Lambda(lambda h: h * h.shape[0]), (torch.randn(1, 5),), {}, 1) is not None
+    assert batch_size_proof(Lambda(lambda h: h), (torch.randn(0, 5),), {}, 0) is None
+
+
+def test_the_trace_leaves_no_trace():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Dropout(0.5))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(4, 5)
     rng = torch.get_rng_state()
-    assert probe(model, (x,), {}, 4) is False  # batch statistics mix the rows
+    batch_size_proof(model, (x,), {}, 4)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
-    model.eval()  # running statistics and no dropout: each row on its own
-    assert probe(model, (x,), {}, 4) is True
-    model.train()
-    model[1].eval()  # dropout drawn per call: the same masks in the probe's runs
-    assert probe(model, (x,), {}, 4) is True
 
 
-def test_probe_changes_token_ids_within_their_range_and_reads_keyword_inputs():
+def test_keyword_inputs_and_token_ids():
     class Tagger(nn.Module):
         def __init__(self):
             super().__init__()
@@ -60,14 +81,51 @@ def test_probe_changes_token_ids_within_their_range_and_reads_keyword_inputs():
         def forward(self, ids, mask=None):
             return self.embed(ids) * mask.unsqueeze(-1)
 
-    ids = torch.randint(0, 11, (1, 6))
-    mask = torch.ones(1, 6)
-    assert probe(Tagger(), (ids,), {"mask": mask}, 1) is True
+    ids = torch.randint(0, 11, (2, 6))
+    assert batch_size_proof(Tagger(), (ids,), {"mask": torch.ones(2, 6)}, 2) is None
 
 
-def test_probe_without_anything_to_change_decides_nothing():
-    # one row of one token: nothing can be changed, so there is no evidence
-    assert probe(nn.Embedding(5, 3), (torch.tensor([[2]]),), {}, 1) is False
+def test_torch_layers_row_local_by_type():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(3, 4, 8)
+    assert row_local_layer(mha, (x, x, x), {})
+    assert row_local_layer(mha, (x, x, x), {"attn_mask": torch.zeros(4, 4, dtype=torch.bool)})
+    assert not row_local_layer(mha, (x, x, x), {"attn_mask": torch.zeros(6, 4, 4, dtype=torch.bool)})  # heads x batch
+    assert not row_local_layer(nn.MultiheadAttention(8, 2), (x, x, x), {})  # sequence first: dim 0 is not the batch
+    lstm = nn.LSTM(8, 5, batch_first=True)
+    assert row_local_layer(lstm, (x,), {})
+    assert not row_local_layer(lstm, (x, (torch.zeros(1, 3, 5), torch.zeros(1, 3, 5))), {})  # a state: batch on dim 1
+
+    class MyAttention(nn.MultiheadAttention):  # a subclass may compute anything
+        pass
+
+    assert not row_local_layer(MyAttention(8, 2, batch_first=True), (x, x, x), {})
+
+
+def test_a_listed_layer_may_use_the_batch_size_inside():
+    # nn.LSTM makes its zero initial state of the batch's size: its own, row-local use
+    model = nn.Sequential(nn.Linear(5, 8))
+    lstm = nn.LSTM(8, 4, batch_first=True)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.lstm = model, lstm
+
+        def forward(self, x):
+            return self.lstm(self.lin(x))[0]
+
+    assert batch_size_proof(Net(), (torch.randn(3, 2, 5),), {}, 3) is None
+
+    class Sub(nn.LSTM):
+        pass
+
+    class SubNet(Net):
+        def __init__(self):
+            super().__init__()
+            self.lstm = Sub(8, 4, batch_first=True)
+
+    assert batch_size_proof(SubNet(), (torch.randn(3, 2, 5),), {}, 3) is not None
 
 
 class _Gathering(nn.Module):
@@ -76,27 +134,23 @@ class _Gathering(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(5, 5)
-        self.reached = False
 
     def forward(self, x):
         h = self.lin(x)
         torch.distributed.all_reduce(h)
-        self.reached = True
         return h
 
 
-def _probe_a_forward_with_a_collective():
+def _trace_a_forward_with_a_collective():
     import torch.distributed as dist
 
     rows = 3 - dist.get_rank()  # each process's rows differ in number (an uneven split)
-    model = _Gathering()
-    decided = probe(model, (torch.randn(rows, 5),), {}, rows)
-    return decided, model.reached
+    return batch_size_proof(_Gathering(), (torch.randn(rows, 5),), {}, rows)
 
 
-def test_probe_refuses_a_collective_before_it_starts():
-    # run, the all-reduce would meet the other process with another size (gloo aborts) or not
-    # at all; refused, every process decides "not row-local" and goes on
+def test_a_collective_is_not_proven_and_not_run():
+    # run, the all-reduce would meet the other process with another size (gloo aborts) or not at all
     from _clean import run_clean
 
-    assert run_clean(_probe_a_forward_with_a_collective, world=2, allow_torchspmd=True) == [(False, False)] * 2
+    whys = run_clean(_trace_a_forward_with_a_collective, world=2, allow_torchspmd=True)
+    assert all(why is not None and "torch.distributed" in why for why in whys), whys

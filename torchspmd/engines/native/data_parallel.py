@@ -6,14 +6,15 @@ in buckets by PyTorch's own DistributedDataParallel reducer, with ``gradient_sum
 (through shared memory on one machine). Inputs and outputs stay global DTensors.
 
 The same path is taken without the wrapper (``auto``): a module whose parameters are
-all plain (replicated) and that is called with a batch split over the data axes is
-checked once per kind of call (its first call runs through DTensor, which records
-every redistribution); when that forward needed none and returned batch-split outputs,
-each process's rows were computed from its own rows alone, so later calls of that kind
-compute locally with DDP's reducer, and give the same values. When DTensor did
-redistribute, the module may still be row-local in a layout DTensor cannot express
-(``nn.MultiheadAttention`` returning its weights): ``row_locality.probe`` decides then, by
-running the module on this process's rows with the other rows changed.
+all plain (replicated) and that is called with a batch split over the data axes runs on
+this process's rows only once ``row_locality``'s proof holds for that kind of call: its
+first call runs through DTensor, which records every redistribution (none may be needed,
+except inside torch's layers listed as row-local by type, and every output must be split
+as the batch), then its local forward is traced with a symbolic batch size (the size only
+shapes views, and every branch on it holds for the local and the global batch). Later
+calls of that kind compute locally with DDP's reducer and give the same values (a call
+where a process would have fewer than 2 rows excepted); a kind of call not proven stays on
+DTensor (exact).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torchspmd.engines.native.module_edges import (
     inputs_to_local,
     local_rows_stream,
     outputs_to_global,
+    smallest_share,
 )
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
@@ -264,14 +266,31 @@ def _inputs(module: nn.Module, args: tuple, kwargs: dict):
 
 class _Redistributions:
     """Counts DTensor redistributions (implicit ones in the dispatcher, explicit ones, and
-    those of torchspmd's own handlers) while a checked forward runs."""
+    those of torchspmd's own handlers) while a checked forward runs. Those inside a layer
+    ``row_locality.ROW_LOCAL_LAYERS`` lists are held apart (``hold``/``release``): they do not
+    count when the call is row-local by the table."""
 
     def __init__(self):
         self.count = 0
+        self.held: list[int] = []
         self.stack = contextlib.ExitStack()
 
     def _seen(self) -> None:
-        self.count += 1
+        if self.held:
+            self.held[-1] += 1
+        else:
+            self.count += 1
+
+    def hold(self) -> None:
+        self.held.append(0)
+
+    def release(self, row_local: bool) -> None:
+        n = self.held.pop()
+        if not row_local:
+            if self.held:
+                self.held[-1] += n
+            else:
+                self.count += n
 
     def start(self) -> "_Redistributions":
         self.stack.enter_context(dtensor_patches.counting_redistributions(self._seen))
@@ -279,6 +298,57 @@ class _Redistributions:
 
     def stop(self) -> None:
         self.stack.close()
+
+
+def _batch_layout_of(args: tuple):
+    """(device mesh, placements) of the first DTensor among ``args`` when it is split on
+    dim 0 only (a batch), else None."""
+    found = []
+    walk_tensors(args, lambda t: found.append(t) if isinstance(t, DTensor) else None)
+    if not found:
+        return None
+    first = found[0]
+    if not any(p.is_shard(0) for p in first.placements) or \
+            any(not (p.is_replicate() or p.is_shard(0)) for p in first.placements):
+        return None
+    return first.device_mesh, tuple(first.placements), first.shape[0]
+
+
+def _checking_recorder() -> "_Redistributions | None":
+    stack = _stack()
+    state = _STATES.get(stack[0]) if stack else None
+    return state.checking if state is not None else None
+
+
+def _table_layer_pre(module: nn.Module) -> None:
+    """A layer row-local by type, inside a checked forward: its redistributions held apart."""
+    recorder = _checking_recorder()
+    if recorder is not None:
+        recorder.hold()
+        module._torchspmd_held = recorder
+
+
+def _table_layer_post(module: nn.Module, args: tuple, kwargs: dict, output):
+    """The end of a layer row-local by type inside a checked forward: its redistributions do
+    not count when its call is row-local by the table, and its outputs (DTensor may have
+    gathered the batch inside) are put back in the batch's layout, as the local path has them."""
+    recorder = module.__dict__.pop("_torchspmd_held", None)
+    if recorder is None:
+        return None
+    layout = _batch_layout_of(args)
+    row_local = output is not None and layout is not None and row_locality.row_local_layer(module, args, kwargs)
+    if row_local:
+        dmesh, placements, rows = layout
+
+        def back(t):
+            if isinstance(t, DTensor) and t.device_mesh == dmesh and t.dim() and t.shape[0] == rows \
+                    and tuple(t.placements) != placements:
+                return t.redistribute(dmesh, placements)
+            return t
+
+        output = map_tensors(output, back)
+    recorder.release(row_local)
+    return output if row_local else None
 
 
 def _reached_params(output) -> set[int] | None:
@@ -353,10 +423,10 @@ class _AutoState:
             ok = False
         elif ok and any(tuple(t.placements) != placements for t in seen):
             ok = False  # (no redistribution, yet an output not split as the batch: not row-local)
-        elif not ok and _eligible_module(module):
-            # DTensor redistributed: its layouts cannot express every row-local computation
-            # (row_locality's docstring). Probe the module on this process's rows.
-            ok = _probe_rows(module, args, kwargs, dmesh, data_dims)
+        if ok:
+            # DTensor's layouts prove the values; the batch size the program read was the global
+            # one: prove the local forward does not depend on it (row_locality's docstring).
+            ok = _batch_size_proof(module, args, kwargs, dmesh, data_dims) is None
         if ok and torch.is_grad_enabled():
             reached = _reached_params(output)
             trainable = [p for p in module.parameters() if p.requires_grad]
@@ -417,6 +487,8 @@ class _AutoState:
             return None
         if torch.is_grad_enabled() and self.ddp is None and self.find_unused is None:
             return None  # no grad-enabled call was checked yet: its check decides the reducer
+        if smallest_share(info[3], info[0], self.data_dims) < 2:
+            return None  # a process would compute fewer than 2 rows: beyond the proof (row_locality)
         args, kwargs, self.layout = inputs_to_local(args, kwargs, self.dmesh, self.data_dims, "torchspmd")
         self.suspended = global_mode.suspend()  # local compute: nothing to lift
         self.stream = local_rows_stream(self.layout, self.data_dims)
@@ -454,15 +526,15 @@ class _AutoState:
         return outputs_to_global(output, self.layout, "torchspmd (automatic data parallelism)")
 
 
-def _probe_rows(module: nn.Module, args: tuple, kwargs: dict, dmesh, data_dims: list[int]) -> bool:
-    """``row_locality.probe`` on this process's rows, computed locally as the path would."""
+def _batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, dmesh, data_dims: list[int]) -> str | None:
+    """``row_locality.batch_size_proof`` on this process's rows (None: proven; else why not)."""
     local_args, local_kwargs, layout = inputs_to_local(args, kwargs, dmesh, data_dims, "torchspmd")
     if layout is None:
-        return False
+        return "no batch"
     aside = _global_hooks_aside()
     suspended = global_mode.suspend()
     try:
-        return row_locality.probe(module, local_args, local_kwargs, layout.local_rows)
+        return row_locality.batch_size_proof(module, local_args, local_kwargs, layout.local_rows)
     finally:
         global_mode.resume(suspended)
         _global_hooks_back(aside)
@@ -473,6 +545,8 @@ def _global_pre(module, args):
         return None
     stack = _stack()
     stack.append(module)
+    if len(stack) > 1 and type(module) in row_locality.ROW_LOCAL_LAYERS:
+        _table_layer_pre(module)
     if len(stack) == 1 and _auto_enabled() and module not in _STATES and not _in_backward() \
             and _eligible_module(module):
         # First call: its hooks act from the next call on; this one is checked (its end,
@@ -488,6 +562,9 @@ def _global_post(module, args, *rest):
     if torch.compiler.is_compiling():
         return None
     kwargs, output = rest if len(rest) == 2 else ({}, None)
+    replaced = None
+    if "_torchspmd_held" in module.__dict__:
+        replaced = _table_layer_post(module, args, kwargs, output)
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
@@ -495,7 +572,7 @@ def _global_post(module, args, *rest):
         state = _STATES.get(module)
         if state is not None and state.checking is not None:
             state.end_check(module, args, kwargs, output)
-    return None
+    return replaced
 
 
 def _global_hooks_aside() -> list:

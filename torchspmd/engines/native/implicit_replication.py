@@ -158,10 +158,14 @@ class _ReplicateUnannotated(TorchFunctionMode):
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
-        if func in _NO_IDENTITY:  # every process computes it whole, as one device would
+        if func in _NOT_ON_EMPTY_BLOCKS:  # every process computes it whole, as one device would
             args = tuple(_whole_where_a_block_is_empty(a) for a in args)
+        if func in _EXTREMA and args and isinstance(args[0], DTensor):
+            args, kwargs = _every_dim(args, kwargs)
         if func in _RECURRENT:
             out = _without_onednn(func, args, kwargs)
+        elif func in _GATHERED:
+            out = _on_the_whole_value(func, like, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if func in _VIEWS and isinstance(args[0], DTensor):
@@ -248,12 +252,65 @@ def _without_onednn(func, args: tuple, kwargs: dict):
         torch.backends.mkldnn.enabled = previous
     return (out[0].transpose(0, 1), *out[1:]) if batch_first else out
 
+# Functions whose backward DTensor cannot run: torch's C++ formula for cummax and cummin
+# makes a plain tensor of zeros and scatters the DTensor gradient into it ("aten.scatter_add
+# got mixed torch.Tensor and DTensor"). They are computed on the whole value (every process
+# alike, as one device), their backward on plain tensors.
+_GATHERED = {torch.cummax, torch.cummin, torch.Tensor.cummax, torch.Tensor.cummin}
+
+
+def _on_the_whole_value(func, like: DTensor, args: tuple, kwargs: dict):
+    """``func`` on the whole values of its DTensor arguments; tensor results go back into
+    ``like``'s layout where they have its shape (differentiable throughout)."""
+    mesh = like.device_mesh
+    whole = [Replicate()] * mesh.ndim
+
+    def gathered(a):
+        return a.redistribute(mesh, whole).to_local() if isinstance(a, DTensor) else a
+
+    token = suspend()  # whole values are plain tensors: nothing to lift
+    try:
+        out = func(*[gathered(a) for a in args], **{k: gathered(v) for k, v in kwargs.items()})
+    finally:
+        resume(token)
+
+    def back(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        d = DTensor.from_local(t, mesh, whole, run_check=False)
+        return d.redistribute(mesh, like.placements) if tuple(t.shape) == tuple(like.shape) else d
+
+    if isinstance(out, tuple):  # (a tuple, or torch.return_types' values and indices)
+        return type(out)([back(t) for t in out])
+    return back(out)
+
+
+# amax/amin over every dim (no dim given): their backward sums over ``dim=[]``, which DTensor's
+# rule takes as no dim at all, so each process divides by its own count of maxima (NaN where it
+# holds none). Given every dim by number, the same reduction has an exact backward.
+_EXTREMA = {torch.amax, torch.amin, torch.Tensor.amax, torch.Tensor.amin}
+
+
+def _every_dim(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else ())
+    if x.ndim == 0 or dim not in ((), []):
+        return args, kwargs
+    kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
+    return (x, tuple(range(x.ndim)), *args[2:]), kwargs
+
+
 # Reductions without an identity: on a process holding no rows they raise ("Expected
 # reduction dim to be specified for input.numel() == 0") where the others do not.
 _NO_IDENTITY = {torch.max, torch.min, torch.amax, torch.amin, torch.aminmax, torch.argmax, torch.argmin,
                 torch.median, torch.nanmedian, torch.Tensor.max, torch.Tensor.min, torch.Tensor.amax,
                 torch.Tensor.amin, torch.Tensor.aminmax, torch.Tensor.argmax, torch.Tensor.argmin,
                 torch.Tensor.median, torch.Tensor.nanmedian}
+# Indexing along a split dim: DTensor's rule indexes each block with the indices moved into
+# it and clamped, which raises on a block with no rows ("index 0 is out of bounds for
+# dimension 0 with size 0") where the other processes go on.
+_NOT_ON_EMPTY_BLOCKS = _NO_IDENTITY | {torch.gather, torch.Tensor.gather, torch.take_along_dim,
+                                       torch.Tensor.take_along_dim}
 
 
 def _some_block_empty(t: DTensor) -> bool:

@@ -1,47 +1,137 @@
-"""Whether a module computes each row of its batch from that row alone, found by probing it
-on this process's rows.
+"""Whether a module computes each row of its batch from that row alone: the proof the
+automatic data-parallel path (``data_parallel``) needs before it runs a module on this
+process's rows.
 
-The automatic data-parallel path (``data_parallel``) first runs a module through DTensor
-and takes the module as row-local when no redistribution was needed. DTensor's layouts
-cannot express every row-local computation: ``nn.MultiheadAttention`` returning its
-attention weights reshapes its output through a ``(sequence * batch, features)`` view,
-with the batch inside the merged dim, and DTensor gathers the whole batch there. For such
-a module the probe decides instead:
+The proof has two parts, each of which can only err towards "not proven":
 
-- the module's forward runs three times on a doubled batch, this process's rows twice
-  (``[a, a]``), then with one half's values changed (``[a', a]`` and ``[a, a']``);
-- it is row-local when each half's outputs are bitwise the same whatever the other half
-  holds, and every output keeps the batch on dim 0.
+1. **Layouts** (``data_parallel``): the module's first call of a kind runs through DTensor
+   with the batch split on dim 0. DTensor computes the global view exactly; when it needed
+   no redistribution and every output is still split as the batch, each process's output
+   rows were computed from its own input rows. A branch on batch values reads them on the
+   host, which is a redistribution too. A layer DTensor's layouts cannot express as
+   row-local (``nn.MultiheadAttention`` returning its weights reshapes through a
+   ``(sequence * batch)`` view) may be listed in ``ROW_LOCAL_LAYERS``: torch's own layers,
+   by their exact type and arguments, never a subclass; the redistributions inside one are
+   not counted, and its outputs are put back in the batch's layout.
+2. **The batch size** (``batch_size_proof``): under DTensor the program sees the global
+   batch size, locally it would see its own rows' count. The module's local forward is
+   traced once with a symbolic batch size (``make_fx``, fake tensors: nothing runs, no
+   buffer or random stream changes). The batch size may only shape views of the batch
+   (``view``, ``reshape``, ``expand``); used in any other way (a scale, an ``arange``, a
+   slice length, a new tensor's size) the module is not proven. The trace treats every
+   size of 2 or more alike; a branch it cannot decide for all of them (a guard of the shape
+   environment on the batch size) leaves the module not proven, and a call where some
+   process would have fewer than 2 rows runs through DTensor. A forward that cannot be
+   traced (a branch on values, an operation without a fake kernel) is not proven.
 
-The three runs use the same shapes, so the same kernels: a row-local computation gives
-the same bits for the same row, while a computation that mixes rows (batch statistics,
-a sum over the batch, a cumulative sum) changes them. The runs leave no trace: without
-gradients, with the random number generator and the module's buffers put back, and with
-the automatic path's global hooks set aside (the caller's job; see ``probe``). A forward
-that asks for a collective (an annotation inside it, a distributed call) is refused it
-before it starts, and is not row-local by the probe: the other processes do not run it.
+Neither part is numeric: a numeric test can show that a module mixes rows, never that it
+does not.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchspmd.tree import map_tensors
+__all__ = ["ROW_LOCAL_LAYERS", "batch_size_proof", "row_local_layer"]
 
-__all__ = ["probe"]
+
+def _mha_row_local(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> bool:
+    # batch first: (batch, sequence, features); masks per batch row or one for all rows
+    if not m.batch_first:
+        return False
+    mask = kwargs.get("attn_mask", args[4] if len(args) > 4 else None)
+    return mask is None or mask.dim() == 2  # a 3-D mask merges the batch with the heads
+
+
+def _rnn_row_local(m: nn.RNNBase, args: tuple, kwargs: dict) -> bool:
+    # batch first, no initial state (its batch is on dim 1), no packed sequence
+    return m.batch_first and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+
+
+#: torch layers row-local by their type whose layouts DTensor cannot express: exact type ->
+#: whether a call (its arguments) is row-local. A subclass is never listed (its forward may
+#: differ).
+ROW_LOCAL_LAYERS = {
+    nn.MultiheadAttention: _mha_row_local,
+    nn.RNN: _rnn_row_local,
+    nn.LSTM: _rnn_row_local,
+    nn.GRU: _rnn_row_local,
+}
+
+
+def row_local_layer(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module(*args, **kwargs)`` is row-local by ``ROW_LOCAL_LAYERS``."""
+    rule = ROW_LOCAL_LAYERS.get(type(module))
+    return rule is not None and rule(module, args, kwargs)
+
+
+class _LayerSpans:
+    """While a forward is traced: the graph's nodes each call of a layer row-local by
+    ``ROW_LOCAL_LAYERS`` made (their use of the batch size is the layer's own, row-local)."""
+
+    def __init__(self, module: nn.Module):
+        self.layers = [m for m in module.modules() if type(m) in ROW_LOCAL_LAYERS]
+        self.spans: list[tuple[str | None, str | None]] = []
+        self.open: list = []
+        self.handles: list = []
+
+    @staticmethod
+    def _last() -> str | None:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is None:
+            return None
+        last = next(iter(reversed(mode.tracer.graph.nodes)), None)
+        return None if last is None else last.name
+
+    def _pre(self, m, args, kwargs):
+        self.open.append((self._last(), row_local_layer(m, args, kwargs)))
+
+    def _post(self, m, args, kwargs, output):
+        start, row_local = self.open.pop()
+        end = self._last()
+        if row_local and start is not None and end != start:  # (a call that made no node: nothing to exempt)
+            self.spans.append((start, end))
+
+    def __enter__(self):
+        for m in self.layers:
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def nodes(self, graph) -> set[str]:
+        """The names of the nodes made inside row-local calls of listed layers."""
+        starts = {start: end for start, end in self.spans}
+        inside: set[str] = set()
+        end = None
+        for node in graph.nodes:
+            if end is not None:
+                inside.add(node.name)
+                if node.name == end:
+                    end = None
+            if end is None and node.name in starts:  # (a span may start where one ends)
+                end = starts[node.name]
+        return inside
 
 
 class _Collective(Exception):
-    """A probed forward asked for a collective: refused before it starts."""
+    """A traced forward asked for a collective."""
 
 
 class _NoCollectives(TorchFunctionMode):
-    """``torch.distributed``'s functions raise instead of running. The probe runs on this
-    process's rows, which differ from the others' (an uneven split): a collective there would
-    meet the other processes with other sizes, or not at all."""
+    """``torch.distributed``'s functions raise instead of running while a forward is traced
+    on this process alone."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if (getattr(func, "__module__", None) or "").startswith("torch.distributed"):
@@ -49,90 +139,100 @@ class _NoCollectives(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _NoCollectiveOps(TorchDispatchMode):
-    """The same for collective operators (DTensor's redistributions, functional collectives)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d"):
-            raise _Collective(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _changed(t: torch.Tensor) -> torch.Tensor:
-    """Rows of the same kind as ``t``'s with other values, still valid inputs: each integer
-    becomes the next larger value present in ``t`` (token ids stay token ids, an ignored
-    label stays one of the labels present), a mask flips, a float is scaled and shifted.
-    Values change rather than move: a permutation of the rows would keep every sum over
-    the batch, and hide a computation that mixes rows."""
-    if t.dtype == torch.bool:
-        return ~t
-    if t.is_floating_point() or t.is_complex():
-        return t * 0.5 + 0.125
-    values = t.unique()  # sorted
-    return values[(torch.searchsorted(values, t) + 1) % values.numel()]
+#: operators that may take the batch size: they reshape the batch (the global view's and the
+#: local rows' shapes correspond), or read a size
+_SHAPING = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.expand.default, torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_stride.int,
+}
+#: Python's arithmetic on sizes (the result is checked where it is used)
+_SIZE_ARITHMETIC_MODULES = ("_operator", "operator", "torch", "math", "torch.fx.experimental.sym_node")
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional")
 
 
-def _doubled(args, kwargs, rows: int, which: int):
-    """Every tensor with ``rows`` rows doubled on dim 0: both halves this process's rows
-    (``which`` 0), or with the first (1) or the second (2) half changed. Returns the inputs
-    and whether anything was changed."""
-    changed = []
-
-    def double(t):
-        if t.dim() == 0 or t.shape[0] != rows:
-            return t
-        other = _changed(t) if which else t
-        if which:
-            changed.append(not torch.equal(other, t))
-        return torch.cat([other, t] if which == 1 else [t, other])
-
-    doubled_args, doubled_kwargs = map_tensors((args, kwargs), double, lambda v: v)
-    return doubled_args, doubled_kwargs, any(changed)
+def _symbols(value) -> set:
+    node = getattr(value, "node", None)
+    expr = getattr(node, "expr", None)
+    return set(getattr(expr, "free_symbols", ()))
 
 
-def _outputs(output) -> list[torch.Tensor] | None:
-    found: list = []
-
-    def other(v):
-        if not (v is None or isinstance(v, (bool, int, float, str))):
-            found.append(None)  # an object whose tensors cannot be followed
-        return v
-
-    map_tensors(output, lambda t: found.append(t) or t, other)
-    return None if not found or any(t is None for t in found) else found
+def _size_arithmetic(target) -> bool:
+    if getattr(target, "__module__", None) in _SIZE_ARITHMETIC_MODULES and not isinstance(target, torch._ops.OpOverload):
+        return True
+    return target in (operator.mul, operator.add, operator.sub, operator.floordiv, operator.truediv, operator.neg,
+                      operator.mod, operator.pow)
 
 
-def probe(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> bool:
-    """Whether ``module(*args, **kwargs)`` (this process's rows, plain tensors, ``rows`` of
-    them on dim 0 of every batch tensor) computes each row from that row alone. The module's
-    own hooks are not run: its ``forward`` is called."""
-    if rows < 1:
-        return False
+def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> str | None:
+    """Whether ``module.forward(*args, **kwargs)`` (this process's rows: every tensor input
+    has ``rows`` rows on dim 0) computes the same for every batch size of 2 rows or more, as
+    far as the batch size goes: None when proven, else why not. (A call with fewer rows on a
+    process is not covered: the caller runs it through DTensor.) The module's hooks are not run."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensor_at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    others = [d for i in tensor_at for d in flat[i].shape[1:]]
+    # A size no other input dim has, so the trace gives the batch a symbol of its own (sizes 0
+    # and 1 would be specialized); the branches it takes are checked for the real sizes below.
+    hint = max([3, *[int(d) + 1 for d in others]])
+    traced_inputs = [flat[i].new_zeros((hint, *flat[i].shape[1:])) if flat[i].dim() else flat[i] for i in tensor_at]
+    for i in tensor_at:
+        if flat[i].dim() and flat[i].shape[0] != rows:
+            return f"an input of shape {tuple(flat[i].shape)} does not have the batch's {rows} rows on dim 0"
+
+    def forward(*tensors):
+        values = list(flat)
+        for i, t in zip(tensor_at, tensors):
+            values[i] = t
+        a, k = pytree.tree_unflatten(values, spec)
+        return module.forward(*a, **k)
+
+    layers = _LayerSpans(module)
+    # (real buffers a forward updates in place, e.g. BatchNorm's count, are updated by the trace)
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    base = None
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _NoCollectives(), _NoCollectiveOps():
-            rng = torch.get_rng_state()
-            for which in (0, 1, 2):
-                a, k, changed = _doubled(args, kwargs, rows, which)
-                if which and not changed:
-                    return False  # nothing could be changed: no evidence either way
-                torch.set_rng_state(rng)  # the same dropout masks in every run
-                outs = _outputs(module.forward(*a, **k))
-                if outs is None or any(t.dim() == 0 or t.shape[0] != 2 * rows for t in outs):
-                    return False
-                if base is None:
-                    base = [t.detach().clone() for t in outs]
-                    continue
-                # the half left as it was (the second when the first changed) keeps its bits
-                kept = slice(rows, None) if which == 1 else slice(None, rows)
-                if len(outs) != len(base) or not all(torch.equal(b[kept], t[kept]) for b, t in zip(base, outs)):
-                    return False
-                del outs  # (compared as it comes: at most two runs' outputs held)
-    except Exception:  # noqa: BLE001 - a module that cannot take a doubled batch, or that asks for a
-        return False  # collective (_Collective), is not proven row-local
+        with torch.random.fork_rng(devices=[]), _NoCollectives(), layers:
+            graph = make_fx(forward, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*traced_inputs)
+    except _Collective as e:
+        return f"its forward calls torch.distributed ({e})"
+    except Exception as e:  # noqa: BLE001 - a forward the trace cannot follow is not proven
+        return f"its forward could not be traced with a symbolic batch size ({type(e).__name__}: {str(e)[:200]})"
     finally:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    return True
+    batch = None
+    shape_env = None
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() and batch is None:
+                size = val.shape[0]
+                if not isinstance(size, torch.SymInt):
+                    return "the trace fixed the batch size"
+                batch = next(iter(_symbols(size)), None)
+                shape_env = size.node.shape_env
+    if batch is None:
+        return "no input with the batch"
+    exempt = layers.nodes(graph.graph)
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node.name in exempt:
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES:
+            return f"its forward calls the collective {target}"
+        if target in _SHAPING or _size_arithmetic(target):
+            continue
+        for arg in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(arg, torch.fx.Node) and not isinstance(arg.meta.get("val"), torch.Tensor) \
+                    and batch in _symbols(arg.meta.get("val")):
+                return f"it uses the batch size as a value ({target})"
+    # Sizes of 2 and more are alike to the trace (0 and 1 it would specialise): a branch on the
+    # batch size it could not decide from that alone is a guard, and the trace would hold for
+    # some batch sizes only.
+    for guard in shape_env.guards:
+        if batch in guard.expr.free_symbols:
+            return f"it branches on the batch size ({guard.expr})"
+    return None

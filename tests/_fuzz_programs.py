@@ -1,0 +1,295 @@
+"""A differential fuzzer's programs: small models drawn from a grammar of layers and ops,
+each trained a few steps with SGD on one plain process (the oracle; this module never
+imports torchspmd at import time) and sharded, and compared.
+
+A program is ``Linear(5, 6)``, then 2 to 4 ops from ``OPS`` on the ``(batch, 6)`` activation
+(row-local ones, ones that mix the batch's rows, views and permutes, residuals, a tied weight),
+then ``Linear(6, 3)`` and a mean squared error. Values come from a normal distribution, so
+the orders and extrema ops take have no ties; ops whose outputs could grow are followed by a
+``tanh``. No dropout: one device's masks cannot be matched by a sharded run."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+W = 6
+STEPS = 2
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _in_batch_attention(h):
+    scores = torch.softmax(h @ h.T / 2, dim=-1)  # every row attends to every row of the batch
+    return scores @ h
+
+
+def _kth(h):
+    k = 1 if h.shape[0] < 2 else 2
+    return h - h.kthvalue(k, dim=0, keepdim=True).values
+
+
+def _gather_argmax(h):
+    idx = h.argmax(0, keepdim=True)
+    return h - h.gather(0, idx)
+
+
+def _index_select_sorted(h):
+    return torch.tanh(h + h.index_select(0, h[:, 0].argsort()))
+
+
+def _heads(h):
+    # a (batch, 2, 3) view: a softmax over the last dim, a mean over the heads, back
+    v = h.view(h.shape[0], 2, 3)
+    return (torch.softmax(v, -1) * v.mean(1, keepdim=True)).reshape(h.shape[0], -1)
+
+
+def _transposed(h):
+    # the batch moved off dim 0 and back: row-local
+    return torch.tanh(h.t().contiguous() * 1.5).t()
+
+
+def _permuted_mix(h):
+    # mixing over the batch through a transpose: (features, batch) reduced over the batch
+    return h - h.t().amax(1)[None, :]
+
+
+#: name -> (kind, function of the activation, or a module factory)
+OPS = {
+    # row-local
+    "relu": ("local", torch.relu),
+    "tanh": ("local", torch.tanh),
+    "gelu": ("local", F.gelu),
+    "softmax-1": ("local", lambda h: torch.softmax(h, -1) * W),
+    "log-softmax-1": ("local", lambda h: torch.log_softmax(h, -1)),
+    "amax-1": ("local", lambda h: h * torch.sigmoid(h.amax(1, keepdim=True))),
+    "sort-1": ("local", lambda h: h.sort(1).values),
+    "cumsum-1": ("local", lambda h: torch.tanh(h.cumsum(1))),
+    "heads": ("local", _heads),
+    "transposed": ("local", _transposed),
+    "layernorm": ("local", lambda: nn.LayerNorm(W)),
+    "linear": ("local", lambda: nn.Linear(W, W)),
+    "residual": ("local", "residual"),
+    "tied": ("local", "tied"),
+    # mixing the batch's rows
+    "amax-0": ("mix", lambda h: h + h.amax(0, keepdim=True)),
+    "amin-0": ("mix", lambda h: h - h.amin(0, keepdim=True)),
+    "abs-amax": ("mix", lambda h: h / h.abs().amax()),
+    "clamp-max": ("mix", lambda h: torch.clamp(h, max=h.max() * 0.5)),
+    "topk-0": ("mix", lambda h: h - h.topk(min(2, h.shape[0]), dim=0).values.mean(0, keepdim=True)),
+    "median-0": ("mix", lambda h: h - h.median(dim=0, keepdim=True).values),
+    "kthvalue-0": ("mix", _kth),
+    "sort-0": ("mix", lambda h: h + h.sort(0).values),
+    "argsort-0": ("mix", lambda h: h * (1 + h[:, 0].argsort().float()[:, None] / h.shape[0])),
+    "argmax-gather": ("mix", _gather_argmax),
+    "index-select": ("mix", _index_select_sorted),
+    "softmax-0": ("mix", lambda h: torch.softmax(h, dim=0) * h.shape[0]),
+    "cummax-0": ("mix", lambda h: torch.cummax(h, dim=0).values),
+    "cummin-0": ("mix", lambda h: torch.cummin(h, dim=0).values),
+    "cumsum-0": ("mix", lambda h: torch.tanh(h.cumsum(0))),
+    "logcumsumexp-0": ("mix", lambda h: torch.tanh(torch.logcumsumexp(h, 0))),
+    "flip-0": ("mix", lambda h: h + h.flip(0)),
+    "roll-0": ("mix", lambda h: h + h.roll(1, 0)),
+    "mean-0": ("mix", lambda h: h - h.mean(0, keepdim=True)),
+    "var-0": ("mix", lambda h: h / (1 + h.var(0, keepdim=True))),
+    "batchnorm": ("mix", lambda: nn.BatchNorm1d(W)),
+    "in-batch-attention": ("mix", _in_batch_attention),
+    "permuted-mix": ("mix", _permuted_mix),
+    "batch-size": ("mix", lambda h: h * h.shape[0] / 8),
+    "arange": ("mix", lambda h: h + torch.arange(h.shape[0], dtype=h.dtype)[:, None] / 8),
+}
+
+
+def draw(seed: int) -> list[str]:
+    """A program: 2 to 4 op names, at least one mixing the batch's rows in half of them."""
+    r = random.Random(seed)
+    names = sorted(OPS)
+    ops = [r.choice(names) for _ in range(r.randint(2, 4))]
+    if seed % 2 and all(OPS[o][0] == "local" for o in ops):
+        ops[r.randrange(len(ops))] = r.choice([n for n in names if OPS[n][0] == "mix"])
+    return ops
+
+
+class Program(nn.Module):
+    def __init__(self, ops: list[str]):
+        super().__init__()
+        self.ops = ops
+        self.fc_in = nn.Linear(5, W)
+        self.fc_out = nn.Linear(W, 3)
+        self.layers = nn.ModuleDict()
+        for i, name in enumerate(ops):
+            fn = OPS[name][1]
+            if name in ("residual", "tied"):
+                self.layers[str(i)] = nn.Linear(W, W)
+            elif getattr(getattr(fn, "__code__", None), "co_argcount", 1) == 0:
+                self.layers[str(i)] = fn()
+
+    def forward(self, x):
+        h = self.fc_in(x)
+        for i, name in enumerate(self.ops):
+            fn = OPS[name][1]
+            layer = self.layers[str(i)] if str(i) in self.layers else None
+            if name == "residual":
+                h = h + torch.tanh(layer(h))
+            elif name == "tied":  # the same weight twice, once transposed
+                h = torch.tanh(F.linear(torch.tanh(layer(h)), layer.weight.t()))
+            elif layer is not None:
+                h = layer(h)
+            else:
+                h = fn(h)
+        return self.fc_out(h)
+
+
+def batches(seed: int, rows: int):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return [(torch.randn(rows, 5, generator=g), torch.randn(rows, 3, generator=g)) for _ in range(STEPS)]
+
+
+def train(seed: int, rows: int, strategy: str = "plain", dtype=torch.float32):
+    """(losses, gradients of the last step, final state) of program ``seed`` (drawn in fp32,
+    then computed in ``dtype``)."""
+    torch.manual_seed(seed)
+    model = Program(draw(seed)).to(dtype)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(seed, rows)]
+    if strategy != "plain":
+        import torchspmd as ts
+
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        data = list(ts.MpDeviceLoader(data, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, grads = [], {}
+    for x, y in data:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads = {k: _whole(p.grad).clone() for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    state = {k: _whole(v).detach().clone() for k, v in model.state_dict().items()}  # (BatchNorm's statistics too)
+    return losses, grads, state
+
+
+def train_all(seeds: list[int], rows: int, strategy: str = "plain", dtype=torch.float32) -> dict:
+    """Every program's result, or the error it raised (as text)."""
+    out = {}
+    for seed in seeds:
+        try:
+            out[seed] = train(seed, rows, strategy, dtype)
+        except Exception as e:  # noqa: BLE001 - reported as the program's result, compared with the oracle's
+            out[seed] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def oracle(seeds: list[int], rows: int) -> dict:
+    """One device's results in fp32 and in fp64 (the fp32 run's own rounding error, which sets
+    each program's tolerance: some programs are ill-conditioned, e.g. a batch norm over 5 rows
+    after an attention over the batch)."""
+    return {"fp32": train_all(seeds, rows), "fp64": train_all(seeds, rows, dtype=torch.float64)}
+
+
+def differences(ref: dict, got: dict) -> list[str]:
+    """What differs between one device's results (``oracle``) and a sharded run's, program by
+    program. A value may differ from one device's fp32 value by ``ATOL + RTOL * |value|`` plus
+    4 times the tensor's own rounding error (its largest distance from the fp64 run's)."""
+    found = []
+    for seed, want in ref["fp32"].items():
+        exact = ref["fp64"][seed]
+        have = got[seed]
+        where = f"program {seed} {draw(seed)}"
+        if isinstance(want, str) or isinstance(have, str):
+            if isinstance(want, str) != isinstance(have, str):
+                found.append(f"{where}: one device gave {want if isinstance(want, str) else 'a result'}, "
+                             f"sharded {have if isinstance(have, str) else 'a result'}")
+            continue
+        for part, a, a64, b in zip(("losses", "gradients", "state"), want, exact, have):
+            if part == "losses":
+                a, a64, b = ({str(i): torch.tensor(v) for i, v in enumerate(x)} for x in (a, a64, b))
+            if a.keys() != b.keys():
+                found.append(f"{where}: {part} keys differ")
+                continue
+            for k in a:
+                if not a[k].is_floating_point():
+                    if not torch.equal(a[k], b[k]):
+                        found.append(f"{where}: {part} {k} differs")
+                    continue
+                own = (a[k].double() - a64[k].double()).abs()
+                allowed = ATOL + RTOL * a[k].double().abs() + 4 * own.max()
+                err = (b[k].double() - a[k].double()).abs()
+                if not bool((err <= allowed).all()) or bool(b[k].isnan().any()) != bool(a[k].isnan().any()):
+                    found.append(f"{where}: {part} {k} off by {err.max().item():.2e} "
+                                 f"(one device's own rounding error {own.max().item():.2e})")
+                    break
+    return found
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# -- bugs planted in torchspmd, to show the fuzzer's seeds catch them (tests/test_fuzz.py) --
+
+def _plant(bug: str):
+    """Plant ``bug`` in this process's torchspmd; returns what takes it out again."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial
+
+    from torchspmd.engines.native import data_parallel, gradient_sums, row_locality
+
+    if bug == "proof-says-local":  # the automatic path takes every checked module as row-local
+        proof, stop = row_locality.batch_size_proof, data_parallel._Redistributions.stop
+
+        def blind_stop(self):
+            stop(self)
+            self.count = 0
+
+        row_locality.batch_size_proof = lambda *a, **k: None
+        data_parallel._Redistributions.stop = blind_stop
+
+        def undo():
+            row_locality.batch_size_proof = proof
+            data_parallel._Redistributions.stop = stop
+        return undo
+    if bug == "per-process-mean-loss":  # the global loss as the mean of each process's mean
+        table = DTensor._op_dispatcher._custom_op_handlers
+        op = torch.ops.aten.mse_loss.default
+        exact = table[op]
+
+        def per_process_mean(op, args, kwargs):
+            x, y = args[0], args[1]
+            with torch.no_grad():
+                local = op(x.to_local(), y.redistribute(x.device_mesh, x.placements).to_local(), *args[2:])
+                return DTensor.from_local(local / dist.get_world_size(), x.device_mesh,
+                                          [Partial()] * x.device_mesh.ndim, run_check=False)
+
+        table[op] = per_process_mean
+
+        def undo():
+            table[op] = exact
+        return undo
+    if bug == "dropped-gradient-sum":  # the local path's gradients left unreduced
+        register = gradient_sums.register
+
+        def unreduced(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        gradient_sums.register = lambda ddp, group, params: ddp.register_comm_hook(None, unreduced) or "planted"
+
+        def undo():
+            gradient_sums.register = register
+        return undo
+    raise ValueError(bug)
+
+
+def planted(bug: str, seeds: list[int], rows: int) -> dict:
+    """``train_all`` on the automatic path with ``bug`` planted (and taken out after)."""
+    undo = _plant(bug)
+    try:
+        return train_all(seeds, rows, "pattern1")
+    finally:
+        undo()
