@@ -37,6 +37,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from torchspmd.tree import walk_tensors
+
 __all__ = ["ROW_LOCAL_LAYERS", "batch_size_proof", "row_local_layer"]
 
 
@@ -187,7 +189,9 @@ def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) ->
         for i, t in zip(tensor_at, tensors):
             values[i] = t
         a, k = pytree.tree_unflatten(values, spec)
-        return module.forward(*a, **k)
+        leaves: list = []  # (its tensors: an output object such as transformers' need not be traceable)
+        walk_tensors(module.forward(*a, **k), leaves.append)
+        return leaves
 
     layers = _LayerSpans(module)
     # (real buffers a forward updates in place, e.g. BatchNorm's count, are updated by the trace)
