@@ -41,6 +41,34 @@ def _index_select_sorted(h):
     return torch.tanh(h + h.index_select(0, h[:, 0].argsort()))
 
 
+def _gather_argmin(h):
+    return h - h.gather(0, h.argmin(0, keepdim=True))
+
+
+def _index_add(h):
+    # rows added into the places of their order: a permutation through index_add
+    return torch.zeros_like(h).index_add(0, h[:, 0].argsort(), h) + h
+
+
+def _scatter_add(h):
+    order = h[:, 1].argsort()[:, None].expand(-1, h.shape[1])
+    return torch.zeros_like(h).scatter_add(0, order, h) - h
+
+
+def _masked_select(h):
+    return h * torch.tanh(h.masked_select(h > 0).sum() / 8)
+
+
+def _nonzero(h):
+    picked = h[(h[:, 0] > 0).nonzero().squeeze(1)]
+    return h + torch.tanh(picked.sum(0, keepdim=True))
+
+
+def _unique(h):
+    kinds = torch.unique((h[:, :2] > 0).long().sum(1))
+    return h * (1 + kinds.numel() / 4)
+
+
 def _heads(h):
     # a (batch, 2, 3) view: a softmax over the last dim, a mean over the heads, back
     v = h.view(h.shape[0], 2, 3)
@@ -86,6 +114,15 @@ OPS = {
     "argsort-0": ("mix", lambda h: h * (1 + h[:, 0].argsort().float()[:, None] / h.shape[0])),
     "argmax-gather": ("mix", _gather_argmax),
     "index-select": ("mix", _index_select_sorted),
+    "argmin-gather": ("mix", _gather_argmin),
+    "max-0-indices": ("mix", lambda h: h - torch.max(h, 0).values + torch.min(h, 0).indices.float()[None, :] / 8),
+    "mode-0": ("mix", lambda h: h - h.mode(0).values),
+    "cumprod-0": ("mix", lambda h: torch.tanh(torch.cumprod(1 + 0.1 * torch.tanh(h), 0))),
+    "index-add": ("mix", _index_add),
+    "scatter-add": ("mix", _scatter_add),
+    "masked-select": ("mix", _masked_select),
+    "nonzero": ("mix", _nonzero),
+    "unique": ("mix", _unique),
     "softmax-0": ("mix", lambda h: torch.softmax(h, dim=0) * h.shape[0]),
     "cummax-0": ("mix", lambda h: torch.cummax(h, dim=0).values),
     "cummin-0": ("mix", lambda h: torch.cummin(h, dim=0).values),

@@ -35,6 +35,11 @@ LAYERS = {
     "cummax0": lambda h: torch.cummax(h, dim=0).values,
     "cumsum0": lambda h: h.cumsum(0) / 4,
     "mean0": lambda h: h - h.mean(0, keepdim=True),
+    "cumprod0": lambda h: torch.tanh(torch.cumprod(1 + 0.1 * torch.tanh(h), 0)),
+    "argmax-gather": lambda h: h - h.gather(0, h.argmax(0, keepdim=True)),
+    "nonzero": lambda h: h + torch.tanh(h[(h[:, 0] > 0).nonzero().squeeze(1)].sum(0, keepdim=True)),
+    "masked-select": lambda h: h * torch.tanh(h.masked_select(h > 0).sum() / 8),
+    "unique": lambda h: h * (1 + torch.unique((h[:, :2] > 0).long().sum(1)).numel() / 4),
     "batch-size": lambda h: h * h.shape[0] / 8,
     "arange-rows": lambda h: h + torch.arange(h.shape[0], dtype=h.dtype)[:, None] / 8,
 }
@@ -51,17 +56,17 @@ class Model(nn.Module):
         return self.fc2(LAYERS[self.layer](self.fc1(x)))
 
 
-def batches():
+def batches(rows: int = ROWS):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(rows, 5, generator=g), torch.randn(rows, 3, generator=g)) for _ in range(STEPS)]
 
 
-def train(layer: str, strategy: str = "plain"):
+def train(layer: str, strategy: str = "plain", rows: int = ROWS):
     """Losses, the last step's gradients, the final parameters (whole values) and the
     automatic path's decisions (Pattern 1)."""
     torch.manual_seed(0)
     model = Model(layer)
-    data = batches()
+    data = batches(rows)
     if strategy != "plain":
         import torchspmd as ts
 

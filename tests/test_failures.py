@@ -128,6 +128,56 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start
     assert len(summary) == 2 + len(hints) and len(hints) == ("SIGKILL" in how), r.stderr
 
 
+PIPELINE = """
+    import numpy as np, torch.nn as nn, torch.nn.functional as F
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    step = 0
+
+    def loss_fn(out, y):  # runs on the last stage (rank 1), once per micro-batch
+        if step == 2:
+            FAIL
+        return F.mse_loss(out, y)
+
+    mesh = ts.Mesh(np.arange(2), (2,), ("pipeline",))
+    runner = ts.pipeline(Net(), mesh, split=Layer, microbatches=2, schedule="SCHEDULE")
+    for step in range(1, 4):
+        runner.step(torch.randn(4, 4), torch.randn(4, 2), loss_fn)
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("fail, said", [
+    ('raise ValueError("stage failed 0.8812")', "torchspmd: rank 1 failed: ValueError: stage failed 0.8812 (at "),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "torchspmd: rank 1 was killed by SIGKILL"),
+], ids=["raises", "killed"])
+def test_a_stage_that_fails_mid_schedule_ends_the_job(tmp_path, schedule, fail, said):
+    # rank 0 (the first stage) waits mid-schedule for rank 1's activations' gradients
+    r, summary, _ = _run(tmp_path, PIPELINE.replace("FAIL", fail).replace("SCHEDULE", schedule))
+    assert r.returncode != 0, r.stderr
+    assert summary and summary[0].startswith(said), r.stderr
+    assert any(line.startswith("torchspmd: rank 0 ") and "after rank 1 failed" in line for line in summary[1:]), summary
+
+
 # --- the ordering rules, on records written by the workers' recorder ------------------
 
 

@@ -199,6 +199,9 @@ def _errors():
     whole = torch.optim.SGD(model.parameters(), lr=0.1)
     runner.step(x, y, M.loss_fn)
     out["optimizer"] = _error(whole.step)
+    out["shape"] = _error(lambda: runner.step(x[:, :5], y[:, :5], M.loss_fn))  # a second shape
+    gpipe = ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=4, schedule="gpipe", example_inputs=x)
+    out["example"] = _error(lambda: gpipe.step(*M.batches(8)[0], M.loss_fn))  # not example_inputs' shape
     two_d = ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "fsdp"))
     out["fsdp"] = _error(lambda: ts.pipeline(M.build(), two_d, split=M.Layer, microbatches=4))
     out["axes"] = _error(lambda: ts.pipeline(M.build(), ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "data")),
@@ -218,6 +221,10 @@ def test_errors_name_the_argument_on_every_process(dist):
     assert "build the optimizer after torchspmd.pipeline(...), from runner.parameters()" in got["optimizer"]
     assert "with 'fsdp' inside the stages, give one batch's inputs" in got["fsdp"]
     assert "the mesh's axes ['data'] have more than one device" in got["axes"]
+    assert "micro-batches of shape (1, 5) (training True), but the stages were traced for (1, 6) " \
+           "(training True, at the first step)" in got["shape"]
+    assert "micro-batches of shape (2, 6) (training True), but the stages were traced for (1, 6) " \
+           "(training True, at example_inputs)" in got["example"]
 
 
 # -- checkpoints: saved by the stages, loaded split another way or unsplit ---------------------

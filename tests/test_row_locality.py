@@ -9,6 +9,8 @@ import torch.nn as nn
 
 from torchspmd.engines.native.row_locality import batch_size_proof, row_local_layer
 
+pytestmark = pytest.mark.smoke
+
 
 class Lambda(nn.Module):
     def __init__(self, fn):

@@ -1,5 +1,6 @@
 """Programs whose middle layer mixes the batch's rows (a maximum, a top-k, a median, a sort,
-a softmax or a running maximum over the batch, the batch size as a value) give one device's
+a softmax, a running maximum or product over the batch, nonzero, masked_select and unique,
+the batch size as a value) give one device's
 losses, gradients and parameters sharded: the automatic path computes locally only what it
 proves row-local (docs/guide.md), and the rest runs on the global view. The oracle is the
 same program on one plain process (tests/_row_mixing_programs.py, a clean process)."""
@@ -22,7 +23,7 @@ def _check(results, ref):
             torch.testing.assert_close(params[k], ref_params[k], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 4])
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_pattern1_gives_one_devices_result(dist, world, layer):
     # batches of 7 rows: split 4+3 over 2 processes, 2+2+2+1 over 4
@@ -36,3 +37,10 @@ def test_pattern1_gives_one_devices_result(dist, world, layer):
         assert decided == [True], decided
     else:
         assert decided in ([False], []), decided  # not proven: on the global view
+
+
+@pytest.mark.parametrize("layer", ["argmax-gather", "amax0", "median0", "cummax0", "nonzero"])
+def test_a_process_without_rows(dist, layer):
+    # 5 rows over 4 processes: 2, 2, 1 and none (DTensor's gather raised on the empty block)
+    ref = run_clean(train, layer, "plain", 5)
+    _check(dist(4).run(train, layer, "pattern1", 5), ref)

@@ -67,6 +67,10 @@ def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipelin
         example_inputs: one global batch's inputs, of the steps' shape: the stages are traced
             with it now rather than at the first step. Needed with an ``'fsdp'`` axis of more
             than one device, whose stages are sharded over it before the optimizer is built.
+
+    The stages are traced for one micro-batch shape and training mode (torch's pipeline
+    tracer cannot trace a model again once it is split): a step or evaluation with another
+    shape or mode is an ``SpmdError`` on every process; pad batches to one shape.
     """
     engine = engines.current("pipeline")
     if not engine.capabilities.pipeline_stages:

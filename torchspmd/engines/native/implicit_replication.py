@@ -252,11 +252,15 @@ def _without_onednn(func, args: tuple, kwargs: dict):
         torch.backends.mkldnn.enabled = previous
     return (out[0].transpose(0, 1), *out[1:]) if batch_first else out
 
-# Functions whose backward DTensor cannot run: torch's C++ formula for cummax and cummin
-# makes a plain tensor of zeros and scatters the DTensor gradient into it ("aten.scatter_add
-# got mixed torch.Tensor and DTensor"). They are computed on the whole value (every process
-# alike, as one device), their backward on plain tensors.
-_GATHERED = {torch.cummax, torch.cummin, torch.Tensor.cummax, torch.Tensor.cummin}
+# Functions DTensor cannot run on split values, computed on the whole value instead (every
+# process alike, as one device; their backward on plain tensors): cummax, cummin and cumprod,
+# whose C++ backward formulas make plain tensors and mix the DTensor gradient in ("aten.scatter_add"
+# / "aten.where.self got mixed torch.Tensor and DTensor"); and those whose output size
+# depends on the values (nonzero, masked_select, unique: DTensor has no sharding rule).
+_GATHERED = {torch.cummax, torch.cummin, torch.Tensor.cummax, torch.Tensor.cummin, torch.cumprod, torch.Tensor.cumprod,
+             torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
+             torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
+             torch.unique_consecutive, torch.Tensor.unique_consecutive}
 
 
 def _on_the_whole_value(func, like: DTensor, args: tuple, kwargs: dict):

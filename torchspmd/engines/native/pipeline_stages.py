@@ -433,12 +433,16 @@ class PipelineRunner:
         if kind == "eval" and self.fixed:  # evaluated with the stages as traced, whatever the mode now
             shape = (shape[0], shape[1], next(iter(self._stages))[2])
         if shape not in self._stages:
-            if self.fixed:
+            if self._stages:
+                # (torch's pipeline tracer cannot trace the model again once it is split into stages:
+                # one shape for the runner's life; every process sees the same global shape)
+                traced = next(iter(self._stages))
+                when = "example_inputs" if self.fixed else f"the first {call}"
                 raise SpmdError(f"pipeline.{call}(inputs=...): micro-batches of shape {tuple(micro.shape)} "
-                                f"(training {self.model.training}), but the stages were traced for "
-                                f"{next(iter(self._stages))[0]} (example_inputs, training "
-                                f"{next(iter(self._stages))[2]}); every step has that shape and mode: pad the batch "
-                                f"to it")
+                                f"(training {self.model.training}), but the stages were traced for {traced[0]} "
+                                f"(training {traced[2]}, at {when}); the stages keep that shape and mode: pad every "
+                                f"batch to it (a collator padding to a fixed length; drop_last=True for a short last "
+                                f"batch) and switch train()/eval() before making the runner")
             self._stages[shape] = self._trace(micro)
         key = (shape, loss_fn)
         if key not in self._traces:
