@@ -195,7 +195,12 @@ def train(seed: int, rows: int, strategy: str = "plain", dtype=torch.float32):
         import torchspmd as ts
 
         n = ts.global_runtime_device_count()
-        mesh = ts.Mesh(np.arange(n), (n,), ("data",))
+        if strategy == "pattern1-2d":  # ('data', 'model'): the outer weights split over 'model'
+            mesh = ts.Mesh(np.arange(n), (n // 2, 2), ("data", "model"))
+            ts.mark_sharding(model.fc_in.weight, mesh, ("model", None))
+            ts.mark_sharding(model.fc_out.weight, mesh, (None, "model"))
+        else:
+            mesh = ts.Mesh(np.arange(n), (n,), ("data",))
         data = list(ts.MpDeviceLoader(data, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None))))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, grads = [], {}

@@ -44,3 +44,16 @@ def test_a_process_without_rows(dist, layer):
     # 5 rows over 4 processes: 2, 2, 1 and none (DTensor's gather raised on the empty block)
     ref = run_clean(train, layer, "plain", 5)
     _check(dist(4).run(train, layer, "pattern1", 5), ref)
+
+
+def test_batch_norm_statistics_on_a_2d_mesh(dist):
+    # found by the fuzzer: on ('data', 'model') DTensor's rule laid the running statistics out anew
+    # and their in-place update was lost (the losses and gradients were right, the state not)
+    from _fuzz_programs import draw, oracle, train_all
+
+    seeds = [seed for seed in range(40) if "batchnorm" in draw(seed)][:2]
+    ref = run_clean(oracle, seeds, 7)
+    from _fuzz_programs import differences
+
+    for got in dist(4).run(train_all, seeds, 7, "pattern1-2d"):
+        assert not differences(ref, got)

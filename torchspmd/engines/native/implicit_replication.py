@@ -155,6 +155,10 @@ class _ReplicateUnannotated(TorchFunctionMode):
             args = (_one_mesh(seq), *args[1:])
             if _first_dtensor(args, kwargs) is None:
                 return func(*args, **kwargs)
+        if func is torch.nn.functional.batch_norm:
+            out = _batch_norm_on_a_mesh(args, kwargs)
+            if out is not None:
+                return out
         if func not in _NO_LIFT:
             args = tuple(_lift(a, like) for a in args)
             kwargs = {k: _lift(v, like) for k, v in kwargs.items()}
@@ -287,6 +291,37 @@ def _on_the_whole_value(func, like: DTensor, args: tuple, kwargs: dict):
     if isinstance(out, tuple):  # (a tuple, or torch.return_types' values and indices)
         return type(out)([back(t) for t in out])
     return back(out)
+
+
+# Batch norm in training mode updating its running statistics (plain buffers) on a mesh of two
+# or more axes: DTensor's rule lays the statistics out anew, and the buffers' in-place update is
+# lost (found by tests/test_fuzz.py on ('data', 'model')). There it is computed from DTensor
+# reductions (the batch's mean and biased variance over every dim but the channels), and the
+# buffers are updated from their whole values, as one device's kernel does.
+def _batch_norm_on_a_mesh(args: tuple, kwargs: dict):
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+    a = dict(zip(names, args), **kwargs)
+    x, mean_buf, var_buf = a["input"], a.get("running_mean"), a.get("running_var")
+    if not (a.get("training", False) and isinstance(x, DTensor) and x.device_mesh.ndim > 1 and x.ndim > 1
+            and isinstance(mean_buf, torch.Tensor) and not isinstance(mean_buf, DTensor)
+            and isinstance(var_buf, torch.Tensor) and not isinstance(var_buf, DTensor)):
+        return None
+    momentum, eps = a.get("momentum", 0.1), a.get("eps", 1e-5)
+    dims = [0, *range(2, x.ndim)]
+    count = x.numel() // x.shape[1]
+    mean = x.mean(dims)
+    var = (x - mean.view(1, -1, *[1] * (x.ndim - 2))).pow(2).mean(dims)
+    with torch.no_grad():
+        whole_mean, whole_var = mean.detach().full_tensor(), var.detach().full_tensor()
+        mean_buf.mul_(1 - momentum).add_(whole_mean.to(mean_buf.dtype), alpha=momentum)
+        var_buf.mul_(1 - momentum).add_((whole_var * (count / max(count - 1, 1))).to(var_buf.dtype), alpha=momentum)
+    shape = (1, -1, *[1] * (x.ndim - 2))
+    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+    if a.get("weight") is not None:
+        y = y * _lift(a["weight"], x).view(shape)
+    if a.get("bias") is not None:
+        y = y + _lift(a["bias"], x).view(shape)
+    return y
 
 
 # amax/amin over every dim (no dim given): their backward sums over ``dim=[]``, which DTensor's
