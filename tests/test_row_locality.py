@@ -40,27 +40,44 @@ def _branch_on_values(h):
     (lambda h: h + torch.arange(h.shape[0])[:, None], False),  # values made from the size
     (lambda h: h + torch.zeros(h.shape[0], 1), False),  # a new tensor of the batch's size (not proven)
     (lambda h: h[: h.shape[0] // 2], False),  # a slice length
-    (_branch_on_size, False),  # true for 7 rows, not for 3
     (_branch_on_values, False),  # cannot be traced without values
-], ids=["identity", "softmax", "views", "expand", "scale", "len", "arange", "zeros", "slice", "branch-on-size",
-        "branch-on-values"])
+], ids=["identity", "softmax", "views", "expand", "scale", "len", "arange", "zeros", "slice", "branch-on-values"])
 def test_batch_size_proof(fn, proven):
     torch.manual_seed(0)
-    why = batch_size_proof(Lambda(fn), (torch.randn(3, 5),), {}, 3)
-    assert (why is None) is proven, why
+    proof = batch_size_proof(Lambda(fn), (torch.randn(3, 5),), {}, 3)
+    assert (proof.why is None) is proven, proof.why
 
 
-def test_sizes_of_two_and_more_are_alike_to_the_proof():
-    # h.shape[0] > 1 holds for every batch of 2 rows or more: no branch there (a process with
-    # fewer rows is left to DTensor by the path, test_row_mixing.py)
-    assert batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 1 else h), (torch.randn(3, 5),), {}, 3) is None
-    assert batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 2 else h), (torch.randn(3, 5),), {}, 3) is not None
+def test_branches_on_the_size_are_conditions_every_call_must_meet():
+    # h.shape[0] > 1 holds for every batch of 2 rows or more: no condition at all
+    always = batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 1 else h), (torch.randn(3, 5),), {}, 3)
+    assert always.why is None and always.conditions == () and always.holds([2, 3, 100])
+    assert not always.holds([1]) and not always.holds([0])  # sizes the trace would have specialised
+    # h.shape[0] > 4: the trace (at a size of its own) took one branch; calls whose sizes took
+    # the other are not covered (the path runs them on DTensor)
+    branch = batch_size_proof(Lambda(_branch_on_size), (torch.randn(3, 5),), {}, 3)
+    assert branch.why is None and len(branch.conditions) == 1
+    assert branch.holds([5, 9]) is not branch.holds([3, 4])
+
+
+def test_torch_arange_of_the_batch_size_to_pick_each_row():
+    # transformers' mask functions: x[torch.arange(b)[:, None], idx] picks row i for row i
+    def pick(h):
+        idx = torch.arange(h.shape[0])[:, None]
+        return h + h[idx, torch.tensor([[0]])]
+
+    assert batch_size_proof(Lambda(pick), (torch.randn(3, 5),), {}, 3).why is None
+
+    def reversed_rows(h):  # the same arange, but reversed: row i reads another row
+        return h + h[torch.arange(h.shape[0]).flip(0)]
+
+    assert batch_size_proof(Lambda(reversed_rows), (torch.randn(3, 5),), {}, 3).why is not None
 
 
 def test_one_row_is_traced_with_a_symbolic_size():
     # traced with 1 row, torch would specialise the size to a constant and hide its use
-    assert batch_size_proof(Lambda(lambda h: h * h.shape[0]), (torch.randn(1, 5),), {}, 1) is not None
-    assert batch_size_proof(Lambda(lambda h: h), (torch.randn(0, 5),), {}, 0) is None
+    assert batch_size_proof(Lambda(lambda h: h * h.shape[0]), (torch.randn(1, 5),), {}, 1).why is not None
+    assert batch_size_proof(Lambda(lambda h: h), (torch.randn(0, 5),), {}, 0).why is None
 
 
 def test_the_trace_leaves_no_trace():
@@ -84,7 +101,7 @@ def test_keyword_inputs_and_token_ids():
             return self.embed(ids) * mask.unsqueeze(-1)
 
     ids = torch.randint(0, 11, (2, 6))
-    assert batch_size_proof(Tagger(), (ids,), {"mask": torch.ones(2, 6)}, 2) is None
+    assert batch_size_proof(Tagger(), (ids,), {"mask": torch.ones(2, 6)}, 2).why is None
 
 
 def test_torch_layers_row_local_by_type():
@@ -117,7 +134,7 @@ def test_a_listed_layer_may_use_the_batch_size_inside():
         def forward(self, x):
             return self.lstm(self.lin(x))[0]
 
-    assert batch_size_proof(Net(), (torch.randn(3, 2, 5),), {}, 3) is None
+    assert batch_size_proof(Net(), (torch.randn(3, 2, 5),), {}, 3).why is None
 
     class Sub(nn.LSTM):
         pass
@@ -127,7 +144,7 @@ def test_a_listed_layer_may_use_the_batch_size_inside():
             super().__init__()
             self.lstm = Sub(8, 4, batch_first=True)
 
-    assert batch_size_proof(SubNet(), (torch.randn(3, 2, 5),), {}, 3) is not None
+    assert batch_size_proof(SubNet(), (torch.randn(3, 2, 5),), {}, 3).why is not None
 
 
 class _Gathering(nn.Module):
@@ -147,7 +164,7 @@ def _trace_a_forward_with_a_collective():
     import torch.distributed as dist
 
     rows = 3 - dist.get_rank()  # each process's rows differ in number (an uneven split)
-    return batch_size_proof(_Gathering(), (torch.randn(rows, 5),), {}, rows)
+    return batch_size_proof(_Gathering(), (torch.randn(rows, 5),), {}, rows).why
 
 
 def test_a_collective_is_not_proven_and_not_run():

@@ -13,8 +13,8 @@ except inside torch's layers listed as row-local by type, and every output must 
 as the batch), then its local forward is traced with a symbolic batch size (the size only
 shapes views, and every branch on it holds for the local and the global batch). Later
 calls of that kind compute locally with DDP's reducer and give the same values (a call
-where a process would have fewer than 2 rows excepted); a kind of call not proven stays on
-DTensor (exact).
+whose sizes the proof does not cover, such as one where a process would have fewer than 2
+rows, runs on DTensor); a kind of call not proven stays on DTensor (exact).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torchspmd.engines.native.module_edges import (
     inputs_to_local,
     local_rows_stream,
     outputs_to_global,
-    smallest_share,
+    shares,
 )
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
@@ -374,6 +374,8 @@ class _AutoState:
     def __init__(self, module: nn.Module):
         self.module = weakref.ref(module)
         self.decided: dict = {}
+        self.proofs: dict = {}  # kind of call -> row_locality.BatchSizeProof
+        self.sizes_held: dict = {}  # (kind of call, global rows) -> whether its proof holds for them
         self.uneven_checks: dict = {}
         self.checking: _Redistributions | None = None
         self.find_unused: bool | None = None
@@ -425,8 +427,12 @@ class _AutoState:
             ok = False  # (no redistribution, yet an output not split as the batch: not row-local)
         if ok:
             # DTensor's layouts prove the values; the batch size the program read was the global
-            # one: prove the local forward does not depend on it (row_locality's docstring).
-            ok = _batch_size_proof(module, args, kwargs, dmesh, data_dims) is None
+            # one: prove the local forward does not depend on it (row_locality's docstring), and
+            # that the check's global batch took the branches the trace took (each call's sizes,
+            # the processes' shares among them, are checked when it comes: _proven_for).
+            proof = _batch_size_proof(module, args, kwargs, dmesh, data_dims)
+            ok = proof.holds([rows])
+            self.proofs[sig] = proof
         if ok and torch.is_grad_enabled():
             reached = _reached_params(output)
             trainable = [p for p in module.parameters() if p.requires_grad]
@@ -469,6 +475,16 @@ class _AutoState:
                 _OWNED[id(p)] = self
         return self.ddp
 
+    def _proven_for(self, sig, rows: int) -> bool:
+        """Whether the kind's proof holds for a batch of ``rows`` (every process's share too)."""
+        held = self.sizes_held.get((sig, rows))
+        if held is None:
+            proof = self.proofs.get(sig)
+            held = proof is not None and proof.holds([rows, *shares(rows, self.dmesh, self.data_dims)])
+            if len(self.sizes_held) < 1024:
+                self.sizes_held[(sig, rows)] = held
+        return held
+
     def pre(self, module, args, kwargs):
         self.local = self.converting = False
         self.using_ddp = None
@@ -487,8 +503,8 @@ class _AutoState:
             return None
         if torch.is_grad_enabled() and self.ddp is None and self.find_unused is None:
             return None  # no grad-enabled call was checked yet: its check decides the reducer
-        if smallest_share(info[3], info[0], self.data_dims) < 2:
-            return None  # a process would compute fewer than 2 rows: beyond the proof (row_locality)
+        if not self._proven_for(sig, info[3]):
+            return None  # sizes beyond the proof (fewer than 2 rows somewhere, another branch): DTensor
         args, kwargs, self.layout = inputs_to_local(args, kwargs, self.dmesh, self.data_dims, "torchspmd")
         self.suspended = global_mode.suspend()  # local compute: nothing to lift
         self.stream = local_rows_stream(self.layout, self.data_dims)
@@ -526,11 +542,12 @@ class _AutoState:
         return outputs_to_global(output, self.layout, "torchspmd (automatic data parallelism)")
 
 
-def _batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, dmesh, data_dims: list[int]) -> str | None:
-    """``row_locality.batch_size_proof`` on this process's rows (None: proven; else why not)."""
+def _batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, dmesh,
+                      data_dims: list[int]) -> row_locality.BatchSizeProof:
+    """``row_locality.batch_size_proof`` on this process's rows."""
     local_args, local_kwargs, layout = inputs_to_local(args, kwargs, dmesh, data_dims, "torchspmd")
     if layout is None:
-        return "no batch"
+        return row_locality.BatchSizeProof("no batch")
     aside = _global_hooks_aside()
     suspended = global_mode.suspend()
     try:

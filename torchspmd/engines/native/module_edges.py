@@ -37,13 +37,13 @@ def _coord(device_mesh) -> list[int]:
     return list(device_mesh.get_coordinate())
 
 
-def smallest_share(rows: int, device_mesh, data_dims: list[int]) -> int:
-    """The fewest rows any process holds of a batch of ``rows`` split over ``data_dims``."""
+def shares(rows: int, device_mesh, data_dims: list[int]) -> list[int]:
+    """The rows each process holds of a batch of ``rows`` split over ``data_dims``."""
     lengths = [rows]
     for d in data_dims:
         ways = device_mesh.size(d)
         lengths = [_chunk(n, ways, i)[1] for n in lengths for i in range(ways)]
-    return min(lengths)
+    return lengths
 
 
 def inputs_to_local(args: tuple, kwargs: dict, device_mesh, data_dims: list[int], who: str):

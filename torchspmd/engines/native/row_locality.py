@@ -18,10 +18,12 @@ The proof has two parts, each of which can only err towards "not proven":
    traced once with a symbolic batch size (``make_fx``, fake tensors: nothing runs, no
    buffer or random stream changes). The batch size may only shape views of the batch
    (``view``, ``reshape``, ``expand``); used in any other way (a scale, an ``arange``, a
-   slice length, a new tensor's size) the module is not proven. The trace treats every
-   size of 2 or more alike; a branch it cannot decide for all of them (a guard of the shape
-   environment on the batch size) leaves the module not proven, and a call where some
-   process would have fewer than 2 rows runs through DTensor. A forward that cannot be
+   slice length, a new tensor's size; ``torch.arange(batch size)`` only to pick each row by
+   its own index excepted) the module is not proven. The trace treats every size of 2 or
+   more alike; the branches it took on the batch size (guards of the shape environment, such
+   as a convolution's choice of kernel) are conditions each call's sizes must meet, this
+   process's, every other process's and the global batch's; a call that does not, or where
+   some process would have fewer than 2 rows, runs through DTensor. A forward that cannot be
    traced (a branch on values, an operation without a fake kernel) is not proven.
 
 Neither part is numeric: a numeric test can show that a module mixes rows, never that it
@@ -39,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchspmd.tree import walk_tensors
 
-__all__ = ["ROW_LOCAL_LAYERS", "batch_size_proof", "row_local_layer"]
+__all__ = ["ROW_LOCAL_LAYERS", "BatchSizeProof", "batch_size_proof", "row_local_layer"]
 
 
 def _mha_row_local(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> bool:
@@ -166,11 +168,78 @@ def _size_arithmetic(target) -> bool:
                       operator.mod, operator.pow)
 
 
-def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> str | None:
+_FULL = 2**62  # a slice's end at least this: to the end
+
+
+class BatchSizeProof:
+    """What ``batch_size_proof`` found: ``why`` it is not proven (None: proven for the batch
+    sizes its ``conditions`` admit; ``holds(sizes)`` says whether every size given does)."""
+
+    def __init__(self, why: str | None, conditions: tuple = (), batch=None):
+        self.why = why
+        self.conditions = conditions  # (sympy relations in the batch size alone: the branches taken)
+        self.batch = batch
+
+    def holds(self, sizes) -> bool:
+        if self.why is not None:
+            return False
+        for n in sizes:
+            if n < 2:
+                return False  # (sizes 0 and 1 the trace would have specialised)
+            for expr in self.conditions:
+                try:
+                    if not bool(expr.xreplace({self.batch: n})):
+                        return False
+                except TypeError:
+                    return False
+        return True
+
+
+def _expr(node):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+    return getattr(getattr(val, "node", None), "expr", val)
+
+
+def _row_indices(graph, batch) -> set[str]:
+    """``torch.arange(batch size)`` nodes used only to pick each batch row by its own index
+    (``x[torch.arange(b)[:, None], ...]`` with ``x``'s dim 0 the batch, as transformers' mask
+    functions do): row ``i`` of the result reads row ``i`` of ``x``, for any batch size."""
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (torch.ops.aten.arange.default,
+                                                             torch.ops.aten.arange.start):
+            continue
+        bounds = node.args if node.target is torch.ops.aten.arange.start else (0, *node.args)
+        if len(bounds) != 2 or bounds[0] != 0 or _expr(bounds[1]) != batch:
+            continue
+        if all(_indexes_rows(user, node, batch) for user in node.users):
+            found.add(node.name)
+    return found
+
+
+def _indexes_rows(user, value, batch) -> bool:
+    """Whether ``user`` of the row index ``value`` (batch on its dim 0, unit dims after) only
+    indexes the batch's rows with it, through unit dims added after dim 0 and whole slices."""
+    aten = torch.ops.aten
+    t, args = user.target, user.args
+    if t is aten.add.Tensor and args[0] is value and args[1] == 0 \
+            or t is aten.unsqueeze.default and args[0] is value and args[1] >= 1 \
+            or t is aten.slice.Tensor and args[0] is value and len(args) >= 4 and args[2] == 0 \
+            and isinstance(args[3], int) and args[3] >= _FULL and (len(args) < 5 or args[4] == 1):
+        return all(_indexes_rows(u, user, batch) for u in user.users)
+    if t is aten.index.Tensor and args[0] is not value and args[1] and args[1][0] is value \
+            and all(i is not value for i in args[1][1:]):
+        src = args[0].meta.get("val")
+        return isinstance(src, torch.Tensor) and src.dim() > 0 and _expr(src.shape[0]) == batch
+    return False
+
+
+def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) -> BatchSizeProof:
     """Whether ``module.forward(*args, **kwargs)`` (this process's rows: every tensor input
-    has ``rows`` rows on dim 0) computes the same for every batch size of 2 rows or more, as
-    far as the batch size goes: None when proven, else why not. (A call with fewer rows on a
-    process is not covered: the caller runs it through DTensor.) The module's hooks are not run."""
+    has ``rows`` rows on dim 0) computes alike for every batch size, as far as the batch size
+    goes: the sizes of 2 rows or more that satisfy the branches the trace took on it (torch's
+    own kernel choices among them, e.g. a convolution's). The caller checks each call's sizes,
+    every process's and the global batch's, with ``holds``. The module's hooks are not run."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -182,7 +251,8 @@ def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) ->
     traced_inputs = [flat[i].new_zeros((hint, *flat[i].shape[1:])) if flat[i].dim() else flat[i] for i in tensor_at]
     for i in tensor_at:
         if flat[i].dim() and flat[i].shape[0] != rows:
-            return f"an input of shape {tuple(flat[i].shape)} does not have the batch's {rows} rows on dim 0"
+            return BatchSizeProof(f"an input of shape {tuple(flat[i].shape)} does not have the batch's {rows} rows "
+                                  f"on dim 0")
 
     def forward(*tensors):
         values = list(flat)
@@ -200,9 +270,10 @@ def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) ->
         with torch.random.fork_rng(devices=[]), _NoCollectives(), layers:
             graph = make_fx(forward, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*traced_inputs)
     except _Collective as e:
-        return f"its forward calls torch.distributed ({e})"
+        return BatchSizeProof(f"its forward calls torch.distributed ({e})")
     except Exception as e:  # noqa: BLE001 - a forward the trace cannot follow is not proven
-        return f"its forward could not be traced with a symbolic batch size ({type(e).__name__}: {str(e)[:200]})"
+        return BatchSizeProof(f"its forward could not be traced with a symbolic batch size "
+                              f"({type(e).__name__}: {str(e)[:200]})")
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -215,28 +286,32 @@ def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int) ->
             if isinstance(val, torch.Tensor) and val.dim() and batch is None:
                 size = val.shape[0]
                 if not isinstance(size, torch.SymInt):
-                    return "the trace fixed the batch size"
+                    return BatchSizeProof("the trace fixed the batch size")
                 batch = next(iter(_symbols(size)), None)
                 shape_env = size.node.shape_env
     if batch is None:
-        return "no input with the batch"
-    exempt = layers.nodes(graph.graph)
+        return BatchSizeProof("no input with the batch")
+    exempt = layers.nodes(graph.graph) | _row_indices(graph.graph, batch)
     for node in graph.graph.nodes:
         if node.op != "call_function" or node.name in exempt:
             continue
         target = node.target
         if isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES:
-            return f"its forward calls the collective {target}"
+            return BatchSizeProof(f"its forward calls the collective {target}")
         if target in _SHAPING or _size_arithmetic(target):
             continue
         for arg in pytree.tree_leaves((node.args, node.kwargs)):
             if isinstance(arg, torch.fx.Node) and not isinstance(arg.meta.get("val"), torch.Tensor) \
                     and batch in _symbols(arg.meta.get("val")):
-                return f"it uses the batch size as a value ({target})"
+                return BatchSizeProof(f"it uses the batch size as a value ({target})")
     # Sizes of 2 and more are alike to the trace (0 and 1 it would specialise): a branch on the
     # batch size it could not decide from that alone is a guard, and the trace would hold for
     # some batch sizes only.
+    conditions = []
     for guard in shape_env.guards:
-        if batch in guard.expr.free_symbols:
-            return f"it branches on the batch size ({guard.expr})"
-    return None
+        symbols = guard.expr.free_symbols
+        if batch in symbols:
+            if symbols != {batch}:  # (with another size, e.g. the sequence's, which may change between calls)
+                return BatchSizeProof(f"it branches on the batch size with another size ({guard.expr})")
+            conditions.append(guard.expr)
+    return BatchSizeProof(None, tuple(conditions), batch)
