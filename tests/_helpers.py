@@ -80,34 +80,46 @@ def interrupt_when(cmd, ready, cwd, env) -> tuple[int, str, str]:
 _DCP_TO_TORCH = """
 import sys
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-dcp_to_torch_save(sys.argv[1], sys.argv[2])
+for checkpoint, part in zip(sys.argv[1::2], sys.argv[2::2]):
+    dcp_to_torch_save(checkpoint, part)
 assert not any(m.startswith("torchspmd") for m in sys.modules), "the checkpoint reader imported torchspmd"
 """
 
 
-def dcp_state(checkpoint, keep=None) -> dict:
-    """A DCP checkpoint's whole (unsharded) state, as torch's own format utility
-    (``dcp_to_torch_save``) assembles it from the shards in a fresh interpreter that never
+def dcp_states(*checkpoints) -> list[dict]:
+    """DCP checkpoints' whole (unsharded) states, as torch's own format utility
+    (``dcp_to_torch_save``) assembles them from the shards in one fresh interpreter that never
     imports torchspmd: for a torchspmd checkpoint ``{'model': {name: tensor}, 'optim':
-    {'state': ..., 'param_groups': ...}}``. With ``keep`` (a file), the assembled state is
-    kept there and later calls read it back (it is written whole: test runners may share it)."""
+    {'state': ..., 'param_groups': ...}}``, in the order given."""
     import subprocess
     import sys
     import tempfile
 
     import torch
 
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = [Path(tmp) / f"state-{i}.pt" for i in range(len(checkpoints))]
+        pairs = [str(x) for c, p in zip(checkpoints, parts) for x in (c, p)]
+        r = subprocess.run([sys.executable, "-c", _DCP_TO_TORCH, *pairs], capture_output=True, text=True,
+                           env=clean_env(), timeout=300, cwd="/")
+        assert r.returncode == 0, r.stderr[-4000:]
+        return [torch.load(p, weights_only=False) for p in parts]
+
+
+def dcp_state(checkpoint, keep=None) -> dict:
+    """One DCP checkpoint's whole state (``dcp_states``). With ``keep`` (a file), the assembled
+    state is kept there and later calls read it back (it is written whole: test runners may
+    share it)."""
+    import torch
+
     if keep is not None and Path(keep).exists():
         return torch.load(keep, weights_only=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "state.pt" if keep is None else Path(f"{keep}.{os.getpid()}")
-        r = subprocess.run([sys.executable, "-c", _DCP_TO_TORCH, str(checkpoint), str(part)], capture_output=True,
-                           text=True, env=clean_env(), timeout=300, cwd="/")
-        assert r.returncode == 0, r.stderr[-4000:]
-        if keep is not None:
-            os.replace(part, keep)
-            part = keep
-        return torch.load(part, weights_only=False)
+    state = dcp_states(checkpoint)[0]
+    if keep is not None:
+        part = Path(f"{keep}.{os.getpid()}")
+        torch.save(state, part)
+        os.replace(part, keep)
+    return state
 
 
 def assert_identical(a, b, where="") -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import ROOT, assert_identical, clean_env, dcp_state
+from _helpers import ROOT, assert_identical, clean_env, dcp_states
 
 SMALL = ["--data.max_bytes", "300000", "--data.seq_len", "64", "--model.max_seq_len", "64", "--model.dim", "64",
          "--model.num_layers", "2", "--model.intermediate_size", "128", "--optim.batch_size", "8",
@@ -84,7 +84,7 @@ def test_exact_resume(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the last checkpoints as torch's DCP utility reads them: weights and optimizer state, bit for bit
     last = Path("checkpoints") / "step-00000008"
-    assert_identical(dcp_state(halves / last), dcp_state(straight / last))
+    assert_identical(*dcp_states(halves / last, straight / last))
 
 
 @pytest.mark.parametrize("first,second", [(2, 4), (4, 2)])
@@ -101,7 +101,7 @@ def test_resume_on_another_device_count(tmp_path, first, second):
     # the weights and AdamW's state at the end (the last checkpoints, read by torch's DCP utility): fp32
     # (measured: 1.5e-8 at most, on values of about 0.1)
     last = Path("checkpoints") / "step-00000006"
-    got, want = (weights_and_optimizer(dcp_state(out / last)) for out in (moved, straight))
+    got, want = (weights_and_optimizer(s) for s in dcp_states(moved / last, straight / last))
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -123,7 +123,7 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
     train(straight, "--optim.max_steps", "8", "--checkpoint.every", "4")
     assert losses(tmp_path) == losses(straight)
     last = Path("checkpoints") / "step-00000008"
-    assert_identical(dcp_state(tmp_path / last), dcp_state(straight / last))
+    assert_identical(*dcp_states(tmp_path / last, straight / last))
 
 
 def test_seed_decoder_and_meta_init_and_accumulation(tmp_path):

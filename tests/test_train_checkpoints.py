@@ -6,7 +6,7 @@ same command: the last good checkpoint must be whole (equal to the never-interru
 checkpoint of that step) and the resumed run must equal the never-interrupted run. The job
 is deterministic on the same number of processes, so "equal" is exact (rtol = atol = 0):
 every loss, every weight, every optimizer moment. Checkpoints are read back with torch's
-own `dcp_to_torch_save` (in a process that never imports torchspmd: _helpers.dcp_state),
+own `dcp_to_torch_save` (in a process that never imports torchspmd: _helpers.dcp_states),
 not with torchspmd's loader.
 
 The runs resume after warm-up (inside the cosine decay) with gradient accumulation.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from _helpers import assert_identical, clean_env, dcp_state
+from _helpers import assert_identical, clean_env, dcp_states
 from test_train import ROOT, SMALL, losses, train
 
 # 6 steps of 2 micro-batches, warm-up over the first 2: steps 3-6 are in the cosine decay.
@@ -41,10 +41,11 @@ def entries(out: Path, sub: str = "checkpoints") -> list[str]:
     return sorted(p.name for p in (Path(out) / sub).iterdir())
 
 
-def full_state(checkpoint: Path) -> dict:
-    """A checkpoint as torch's DCP utility assembles it (whole tensors: model, optimizer),
-    with its state.pt (step, scheduler, RNG state, sampler position)."""
-    return {"dcp": dcp_state(checkpoint), "state.pt": torch.load(checkpoint / "state.pt", weights_only=False)}
+def full_states(*checkpoints: Path) -> list[dict]:
+    """Checkpoints as torch's DCP utility assembles them (whole tensors: model, optimizer),
+    each with its state.pt (step, scheduler, RNG state, sampler position)."""
+    return [{"dcp": dcp, "state.pt": torch.load(c / "state.pt", weights_only=False)}
+            for c, dcp in zip(checkpoints, dcp_states(*checkpoints))]
 
 
 def _straight(out: Path) -> None:
@@ -92,14 +93,14 @@ def test_killed_inside_a_save_resumes_exactly(tmp_path, straight, point):
     if point == "before-rename":
         assert (tmp / ".metadata").exists() and (tmp / "state.pt").exists()
     # the last good checkpoint is whole: the straight run's checkpoint of that step, bit for bit
-    assert_identical(full_state(ck(out, good)), full_state(ck(straight, good)))
+    assert_identical(*full_states(ck(out, good), ck(straight, good)))
 
     r = train(out, *ARGS)  # the same command again (checkpoint.resume = 'auto')
     assert f"resumed from {ck(out, good)} at step {good}" in r.stdout
     assert ("removed the unfinished checkpoint(s) .step-00000004.tmp" in r.stdout) == (point != "after-rename")
     assert entries(out) == ["step-00000006"]  # the leftovers are gone, the old checkpoints pruned
     assert losses(out) == losses(straight)
-    assert_identical(full_state(ck(out, 6)), full_state(ck(straight, 6)))
+    assert_identical(*full_states(ck(out, 6), ck(straight, 6)))
 
 
 def test_killed_process_in_the_cosine_decay_restarts_and_resumes_exactly(tmp_path, straight):
@@ -112,7 +113,7 @@ def test_killed_process_in_the_cosine_decay_restarts_and_resumes_exactly(tmp_pat
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"resumed from {ck(out, 4)} at step 4" in r.stdout
     assert losses(out) == losses(straight)
-    assert_identical(full_state(ck(out, 6)), full_state(ck(straight, 6)))
+    assert_identical(*full_states(ck(out, 6), ck(straight, 6)))
 
 
 def test_the_next_start_removes_what_interrupted_saves_left(tmp_path):
@@ -374,7 +375,7 @@ def test_resuming_with_another_seed_and_optimizer_settings(tmp_path, straight):
     assert rows.keys() == {5, 6}
     for step in rows:
         assert rows[step] == pytest.approx(lr(step), rel=1e-12)
-    saved = full_state(ck(out, 6))
+    saved, = full_states(ck(out, 6))
     groups = saved["dcp"]["optim"]["param_groups"]
     groups = pickle.loads(groups) if isinstance(groups, bytes) else groups
     assert [x for g in groups for x in (g["lr"], g["weight_decay"], *g["betas"])] == pytest.approx(

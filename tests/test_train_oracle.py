@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import clean_env, dcp_state
+from _helpers import clean_env, dcp_state, dcp_states
 from test_train import ROOT, losses, train
 
 STEPS = 3
@@ -299,7 +299,7 @@ def test_a_non_finite_step_changes_nothing_and_is_recorded(bad_job):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [int(r["skipped"]) for r in rows] == [0, 1, 0, 1, 1, 1]
     assert [math.isfinite(float(r["loss"])) for r in rows] == [True, False, True, False, False, False]
-    s = {step: job_state(ckpt(out, step)) for step in (1, 2, 3, 4, 5)}
+    s = dict(zip((1, 2, 3, 4, 5), dcp_states(*(ckpt(out, step) for step in (1, 2, 3, 4, 5)))))
     for before, after in [(1, 2), (3, 4), (4, 5)]:  # a skipped step: weights, AdamW state and lr as they were
         assert_equal(s[after]["model"], s[before]["model"])
         assert_equal(optim_tensors(s[after]), optim_tensors(s[before]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import clean_env, dcp_state
+from _helpers import clean_env, dcp_states
 from safetensors.torch import load_file
 from test_train import ROOT, losses, train
 
@@ -93,7 +93,8 @@ def test_the_2d_job_trains_as_the_1d_job(jobs, job):
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
     # at every step, the same checkpoint keys and values: model, and AdamW's moments, whole; and so
     # the same gradients
-    states = {name: [dcp_state(ck(out[name], s)) for s in range(1, STEPS + 1)] for name in ("1d", job)}
+    read = dcp_states(*(ck(out[name], s) for name in ("1d", job) for s in range(1, STEPS + 1)))
+    states = {"1d": read[:STEPS], job: read[STEPS:]}
     for s, (a, b) in enumerate(zip(states[job], states["1d"]), 1):
         assert a.keys() == b.keys()
         close(a["model"], b["model"], f"step {s} model")
@@ -116,7 +117,7 @@ def test_a_checkpoint_resumes_on_the_other_mesh(jobs, saved, resumed_on):
     for s in got:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=0), s
     # the weights and AdamW's state at the end, as the uninterrupted job's
-    a, b = dcp_state(ck(again, STEPS)), dcp_state(ck(out[saved], STEPS))
+    a, b = dcp_states(ck(again, STEPS), ck(out[saved], STEPS))
     assert a.keys() == b.keys()
     close(a["model"], b["model"], "model")
     close(a["optim"]["state"], b["optim"]["state"], "optim", MOMENTS_ATOL)
