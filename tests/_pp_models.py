@@ -60,6 +60,20 @@ def build(tied: bool = False) -> LM:
     return LM(tied)
 
 
+class BatchCentred(Layer):
+    """A layer that subtracts the batch's mean first: it mixes the rows, which pipeline stages
+    (each micro-batch computed on its own) cannot reproduce."""
+
+    def forward(self, x):
+        return super().forward(x - x.mean(0, keepdim=True))
+
+
+def build_mixing() -> LM:
+    model = build()
+    model.layers[2] = BatchCentred()
+    return model
+
+
 def build_llama() -> nn.Module:
     """A tiny transformers Llama (4 decoder layers, grouped-query attention, its embedding tied
     to the LM head), without a KV cache."""

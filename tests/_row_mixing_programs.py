@@ -6,6 +6,8 @@ distribution: no ties for the orders and extrema the layers take."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -67,7 +69,7 @@ def train(layer: str, strategy: str = "plain", rows: int = ROWS):
     torch.manual_seed(0)
     model = Model(layer)
     data = batches(rows)
-    if strategy != "plain":
+    if strategy in ("pattern1", "fsdpv2", "fsdpv2-nested"):
         import torchspmd as ts
 
         n = ts.global_runtime_device_count()
@@ -77,10 +79,31 @@ def train(layer: str, strategy: str = "plain", rows: int = ROWS):
         else:
             mesh = ts.Mesh(np.arange(n), (n,), ("fsdp",))
             axis = "fsdp"
-            model = ts.FSDPv2(model, mesh)
+            # "fsdpv2-nested": the two linear layers are units of their own inside the root
+            policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}) \
+                if strategy == "fsdpv2-nested" else None
+            model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
         spec = ts.ShardingSpec(mesh, (axis, None))
         loader = ts.MpDeviceLoader(data, ts.device(), input_sharding=spec)
         data = list(loader)
+    if strategy.startswith("blocks:"):
+        # FSDP2's and DDP's semantics, in plain PyTorch: the model computes each process's rows
+        # on their own (the shares of an FSDPv2(per_process=True) run over that many processes)
+        blocks = int(strategy.split(":")[1])
+        one = model
+
+        def model(x):
+            return torch.cat([one(part) for part in torch.tensor_split(x, blocks)])
+
+        model.named_parameters = one.named_parameters
+        model.parameters = one.parameters
+    if strategy == "fsdpv2-per-process":
+        import torchspmd as ts
+
+        n = ts.global_runtime_device_count()
+        mesh = ts.Mesh(np.arange(n), (n,), ("fsdp",))
+        model = ts.FSDPv2(model, mesh, per_process=True)
+        data = list(ts.MpDeviceLoader(data, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("fsdp", None))))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     grads = {}
@@ -92,9 +115,20 @@ def train(layer: str, strategy: str = "plain", rows: int = ROWS):
         opt.step()
         opt.zero_grad()
     params = {k: _whole(p).detach().clone() for k, p in model.named_parameters()}
-    decided = list(__import__("torchspmd").auto_path(model).values()) if strategy == "pattern1" else None
+    if strategy == "pattern1":
+        decided = list(__import__("torchspmd").auto_path(model).values())
+    elif strategy.startswith("fsdpv2"):
+        # (None: this process's rows, proven; per_process: none decided), as ts.explain lists them
+        decided = [why for _, why in __import__("torchspmd").explain(model).row_paths]
+    else:
+        decided = None
     return losses, grads, params, decided
 
 
 def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_each(layers: list[str], strategy: str = "plain", rows: int = ROWS) -> dict:
+    """``train`` for each layer, in one process (one start for many programs)."""
+    return {layer: train(layer, strategy, rows) for layer in layers}

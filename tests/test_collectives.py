@@ -457,6 +457,10 @@ def _train_shared_counted(shared, late, steps, prefetch, counts):
     where = []
 
     def look(module, args):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            return  # (FSDPv2's analysis traces the forward once, on stand-ins)
         where.append(_mapping_of(module.weight.data_ptr()))
         if late and late[0] == ts.global_ordinal():
             _busy(late[1])

@@ -45,17 +45,24 @@ def _tp_fsdp_step():
             opt.zero_grad()
             loss.item()
 
+    # (the first call of a kind of call decides where FSDPv2's model computes, agreed with one
+    # all-reduce per mesh axis: the step explained is the one after)
+    step()
     r = explain(model, step)
     layouts = [(p.name, p.shape, p.axes, p.local_numel, p.numel, p.compute) for p in r.layouts]
     calls = sorted((c.kind, c.phase, c.axis, c.group_size, c.count, c.bytes) for c in r.collectives)
-    return layouts, r.comm_counts, r.total, calls, r.gathered_whole, str(r)
+    return layouts, r.comm_counts, r.total, calls, r.gathered_whole, str(r), r.row_paths
 
 
 def test_fsdp_tensor_parallel_step(dist):
     results = dist(4).run(_tp_fsdp_step)
     print(results[0][-1])  # the report, as rank 0 printed it
-    layouts, counts, total, calls, whole, _ = results[0]
+    layouts, counts, total, calls, whole, report, paths = results[0]
     assert whole == []
+    # proven row-local (the tensor-parallel pair traced as its whole weights compute): this process's rows
+    assert paths == [(f"inputs ({ROWS}, 16) float32, ({ROWS}, 16) float32 (training)", None)] or \
+        paths == [(f"inputs ({ROWS}, 16) float32 (training)", None)], paths
+    assert "this process's rows (proven)" in report
     by_name = {name: rest for name, *rest in layouts}
     assert list(by_name) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     # Each weight: split over 'model' by the annotation, over 'fsdp' by FSDP2 (on dim 0; for

@@ -203,6 +203,8 @@ def _errors():
     out["shape"] = _error(lambda: runner.step(x[:, :5], y[:, :5], M.loss_fn))  # a second shape
     gpipe = ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=4, schedule="gpipe", example_inputs=x)
     out["example"] = _error(lambda: gpipe.step(*M.batches(8)[0], M.loss_fn))  # not example_inputs' shape
+    out["mixing"] = _error(lambda: ts.pipeline(M.build_mixing(), mesh, split=M.Layer, microbatches=4).step(
+        *M.batches(8)[0], M.loss_fn))
     two_d = ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "fsdp"))
     out["fsdp"] = _error(lambda: ts.pipeline(M.build(), two_d, split=M.Layer, microbatches=4))
     out["axes"] = _error(lambda: ts.pipeline(M.build(), ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "data")),
@@ -226,6 +228,9 @@ def test_errors_name_the_argument_on_every_process(dist):
            "(training True, at the first step)" in got["shape"]
     assert "micro-batches of shape (2, 6) (training True), but the stages were traced for (1, 6) " \
            "(training True, at example_inputs)" in got["example"]
+    # a layer mixing the batch's rows: named, with the operator (the stages would compute it per micro-batch)
+    assert "the stages compute each micro-batch of 2 rows on its own" in got["mixing"]
+    assert "torch.ops.aten.mean.dim in module 'layers.2' (BatchCentred) reduces over dim 0" in got["mixing"]
 
 
 # -- checkpoints: saved by the stages, loaded split another way or unsplit ---------------------

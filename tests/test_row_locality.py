@@ -4,6 +4,7 @@ no redistribution) and the whole path are tested against one device in
 test_auto_replicate.py and test_row_mixing.py."""
 
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 
@@ -49,14 +50,23 @@ def test_batch_size_proof(fn, proven):
 
 
 def test_branches_on_the_size_are_conditions_every_call_must_meet():
-    # h.shape[0] > 1 holds for every batch of 2 rows or more: no condition at all
-    always = batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 1 else h), (torch.randn(3, 5),), {}, 3)
-    assert always.why is None and always.conditions == () and always.holds([2, 3, 100])
-    assert not always.holds([1]) and not always.holds([0])  # sizes the trace would have specialised
+    # h.shape[0] > 1 is a branch too (the trace does not assume 2 rows or more): it holds for
+    # every batch of 2 rows or more, and a call with a share of 1 row is not covered
+    two = batch_size_proof(Lambda(lambda h: h * 2 if h.shape[0] > 1 else h), (torch.randn(3, 5),), {}, 3)
+    assert two.why is None and two.conditions and two.holds([2, 3, 100])
+    assert not two.holds([1]) and not two.holds([0])
+    # torch itself branches on a size of 1 (strides): 1 row is covered where a trace of 1 row,
+    # compared operator by operator, computes what the general trace computes at 1 row
+    plain = batch_size_proof(Lambda(lambda h: h * 2), (torch.randn(3, 5),), {}, 3)
+    assert plain.why is None and plain.holds([2, 100]) and not plain.holds([0])
+    assert batch_size_proof(Lambda(lambda h: h * 2), (torch.randn(3, 5),), {}, 3, one_row=True).holds([1, 2, 100])
+    for program in (lambda h: h * 2 if h.shape[0] > 1 else h,  # a branch taken otherwise at 1 row
+                    lambda h: h.squeeze() + 1):  # the same operator, another shape at 1 row
+        assert not batch_size_proof(Lambda(program), (torch.randn(3, 5),), {}, 3, one_row=True).holds([1])
     # h.shape[0] > 4: the trace (at a size of its own) took one branch; calls whose sizes took
     # the other are not covered (the path runs them on DTensor)
     branch = batch_size_proof(Lambda(_branch_on_size), (torch.randn(3, 5),), {}, 3)
-    assert branch.why is None and len(branch.conditions) == 1
+    assert branch.why is None and any(c.has(sympy.Integer(4)) for c in branch.conditions)
     assert branch.holds([5, 9]) is not branch.holds([3, 4])
 
 

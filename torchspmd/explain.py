@@ -93,6 +93,9 @@ class Explanation:
     gathered_whole: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     regathered: list[Regathered] = field(default_factory=list)
+    #: FSDPv2 (native engine): each kind of call decided so far and where its model computes:
+    #: None on this process's rows (proven row-local), else why on the global view
+    row_paths: list[tuple[str, str | None]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Calls per family (all_gather, reduce_scatter, all_reduce, ...), from CommDebugMode's counts."""
@@ -140,6 +143,13 @@ class Explanation:
                              "x".join(map(str, r.shape)) or "scalar", str(r.count)))
             lines += _table(rows)
             lines += [f"DTensor raised: {e}" for e in dict.fromkeys(r.error for r in self.regathered)]
+        if self.row_paths:
+            lines.append("")
+            lines.append("Where FSDPv2's model computes, per kind of call (this process's rows only where proven)")
+            rows = [("call", "computes on")]
+            for kind, why in self.row_paths:
+                rows.append((kind, "this process's rows (proven)" if why is None else f"the whole batch: {why}"))
+            lines += _table(rows)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -497,6 +507,9 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
     listed (``gathered_whole``); ``strict=True`` raises ``SpmdError`` naming them (before
     running ``step_fn``).
 
+    For an FSDPv2 model (native engine), where it computes per kind of call decided so far
+    (``row_paths``: this process's rows where proven, else the whole batch and why).
+
     Redistributions DTensor refused and the native engine did as a gather and a split are
     listed (``regathered``): with ``step_fn``, those of the step, with the op, the phase and
     the module; without it, those this process did so far.
@@ -521,6 +534,11 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
     else:  # those this process did so far (where, only a step_fn's tracker knows)
         seen = redistribution.seen()
         result.regathered = _regathered(list(seen), seen)
+    paths = getattr(model, "row_paths", None)
+    if callable(paths):
+        result.row_paths = paths()
+        if getattr(model, "per_process", False) is True:
+            result.notes.append("FSDPv2(per_process=True): every call computes on this process's rows, unanalysed")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         print(result, flush=True)
     return result

@@ -27,7 +27,8 @@ class SpmdFullyShardedDataParallel(abc.ABC):
     its parameters, gradients and optimizer state are split over ``'fsdp'``. The outermost
     wrapper is the boundary of the global view: its inputs arrive as global batches, its
     module computes on this process's rows with plain tensors (FSDP2 gathers the
-    parameters), and its outputs leave as global DTensors through ``shard_output``.
+    parameters) where that is proven to give one device's result, else on the whole batch
+    (``per_process`` below), and its outputs leave as global DTensors through ``shard_output``.
     Gradients equal the single-device gradients of the global-mean loss: FSDP2 reduces
     with a sum, never an average. On the torch_xla engine this builds torch_xla's
     ``SpmdFullyShardedDataParallel`` (with the unwrapped module's state-dict keys, every
@@ -63,6 +64,11 @@ class SpmdFullyShardedDataParallel(abc.ABC):
         compile: ``torch.compile`` each wrapped block's ``forward`` (True, or a dict of
             ``torch.compile`` options); the root module too when nothing is wrapped below
             it. FSDP2's gathering and reducing stay outside the compiled code.
+        per_process: compute on this process's rows whatever the model does (FSDP2's and
+            DDP's semantics: a statistic over the batch is each process's own). By default
+            the model computes on this process's rows only where that is proven to give one
+            device's result, else every process computes the whole batch (the global view;
+            ``torchspmd/engines/native/unit_rows.py``); ``ts.explain`` lists which.
     """
 
     def __new__(
@@ -80,6 +86,7 @@ class SpmdFullyShardedDataParallel(abc.ABC):
         collectives: str = "auto",
         compile: bool | dict = False,
         strict_sharding: bool = False,
+        per_process: bool = False,
     ):
         engine = engines.current("FSDPv2")
         mesh = _checked(engine, module, mesh, shard_output, extra_data_axis)
@@ -92,7 +99,7 @@ class SpmdFullyShardedDataParallel(abc.ABC):
                     )
         options = dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
                        cpu_offload=cpu_offload, collectives=collectives, compile=compile,
-                       strict_sharding=strict_sharding)
+                       strict_sharding=strict_sharding, per_process=per_process)
         return engine.fully_shard(module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable,
                                   extra_data_axis, options)
 

@@ -4,8 +4,9 @@ Each wrapped module is one FSDP2 communication unit (``fully_shard``) over the m
 ``'fsdp'`` axis (with ``extra_data_axis``: replicated over that axis, as HSDP): its
 parameters, gradients and optimizer state are split over ``'fsdp'``. The outermost
 wrapper is the boundary of the global view: its inputs arrive as global batches, its
-module computes on this process's rows with plain tensors (FSDP2 gathers the
-parameters), and its outputs leave as global DTensors through ``shard_output``.
+module computes with plain tensors (FSDP2 gathers the parameters) on this process's rows
+where that is proven to give one device's result, else on the whole batch (``unit_rows``),
+and its outputs leave as global DTensors through ``shard_output``.
 
 Gradients equal the single-device gradients of the global-mean loss: the loss already
 divides by the global batch, so FSDP2 reduces with a sum (never an average).
@@ -23,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchspmd import state_keys
-from torchspmd.engines.native import global_mode, replicas, sharding, tensor_parallel
+from torchspmd.engines.native import global_mode, replicas, sharding, tensor_parallel, unit_rows
 from torchspmd.engines.native import replaced_parameters as _stale
 from torchspmd.engines.native.collectives import install as install_collectives
 from torchspmd.engines.native.device_mesh import device_mesh
@@ -81,6 +82,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         collectives: str = "auto",
         compile: bool | dict = False,
         strict_sharding: bool = False,
+        per_process: bool = False,
     ):
         _check_wrap_order(module)
         super().__init__()
@@ -111,6 +113,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
         self._shard_output = shard_output
         self._is_root = True
         self._fp32_outputs = mixed_precision is not None  # losses are computed in full precision
+        self._param_dtype = _mp_policy(mixed_precision).param_dtype  # (the dtype the model computes in)
+        #: where each kind of call computes: this process's rows where proven, else the whole batch
+        self._rows = unit_rows.RowPaths(per_process)
         # FSDP2 keeps the root's gathered parameters after forward for the backward that
         # follows; a forward without gradients has none: freed then (eval loops keep 1/n).
         self._reshard_after_eval = reshard_after_forward is None
@@ -137,7 +142,13 @@ class SpmdFullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
+        given = (args, kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, device_mesh(self._mesh), self._data_dims, "FSDPv2")
+        kind = (unit_rows.call_kind(*given), self._orig_module.training)
+        with global_mode.local_region():  # (analysed as the local path would run it)
+            local = self._rows.local(self._orig_module, kind, args, kwargs, layout, self._data_dims, self._param_dtype)
+        if not local:
+            return self._forward_whole(given, layout)
         with global_mode.local_region(), local_rows_stream(layout, self._data_dims), warnings.catch_warnings():
             # A tensor-parallel LM head returns its gathered logits as a view; FSDP2 warns
             # about in-place ops on it, but the output goes on to become a global DTensor here.
@@ -152,6 +163,36 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 returned = self._shard_output(output, self._mesh)
             return returned if returned is not None else replace_marked(output, marked)
         return _default_shard_output(output, layout)
+
+    def _forward_whole(self, given: tuple, layout: BatchLayout) -> Any:
+        """The global view (``unit_rows``): every process computes the whole batch and keeps
+        its own rows of the outputs."""
+        args, kwargs = unit_rows.whole_inputs(*given, layout, self._data_dims)
+        with global_mode.local_region(), local_rows_stream(None, self._data_dims), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            output = self._orig_module(*args, **kwargs)
+            if self._reshard_after_eval and not torch.is_grad_enabled():
+                self._orig_module.reshard()
+        if self._fp32_outputs:
+            output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
+        if self._shard_output is not None:
+            # (the callable marks this process's rows, as it does on the local path)
+            rows = map_tensors(output, lambda t: t.narrow(0, layout.local_start, layout.local_rows)
+                               if t.dim() and t.shape[0] == layout.global_rows else t)
+            with marking_outputs(layout) as marked:
+                returned = self._shard_output(rows, self._mesh)
+            return returned if returned is not None else replace_marked(rows, marked)
+        return unit_rows.outputs_from_whole(output, layout, self._data_dims, "FSDPv2")
+
+    @property
+    def per_process(self) -> bool:
+        """``FSDPv2(per_process=True)``: every call on this process's rows, unanalysed."""
+        return self._rows.per_process
+
+    def row_paths(self) -> list[tuple[str, str | None]]:
+        """Each kind of call decided so far (its inputs) and where it computes: None on this
+        process's rows (proven), else why on the global view (``unit_rows``)."""
+        return self._rows.describe()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchspmd.engines.native import device_mesh as device_meshes
-from torchspmd.engines.native import replicas, topology
+from torchspmd.engines.native import replicas, row_locality, topology
 from torchspmd.errors import SpmdError
 
 __all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages", "is_split"]
@@ -227,7 +227,7 @@ class PipelineRunner:
                 raise SpmdError(f"pipeline(example_inputs=...): its {rows} rows do not split into "
                                 f"microbatches={self.microbatches}{self._over()}; give a batch of the steps' shape")
             micro = self._local_rows(example_inputs)[: rows // self.microbatches // self.fsdp_size]
-            stages = self._stages[self._shape_key(micro)] = self._trace(micro)
+            stages = self._stages[self._shape_key(micro)] = self._trace(micro, rows)
             if self.fsdp is not None:  # the stages' shards replace the model's own parameters
                 self._others = {id(p): p for _, p in _unique(model)}
                 self._mine, seen = [], set()
@@ -326,16 +326,32 @@ class PipelineRunner:
                                     "parameters of other processes' stages; build the optimizer after "
                                     "torchspmd.pipeline(...), from runner.parameters()")
 
+    def _check_rows_apart(self, micro: torch.Tensor, rows: int) -> None:
+        """The stages compute each micro-batch on its own: the model must compute each row
+        from that row alone, and not use the batch size (proven: ``row_locality``), else
+        one device's result is not what the stages would give."""
+        proof = row_locality.batch_size_proof(self.model, (micro,), {}, micro.shape[0], one_row=True)
+        why = proof.rows_apart([micro.shape[0], rows])
+        if why is not None:
+            raise SpmdError(
+                f"pipeline: the stages compute each micro-batch of {micro.shape[0]} rows on its own, and "
+                f"{type(self.model).__name__}'s forward is not proven to compute each row from that row alone: "
+                f"{why}. On one device the batch's {rows} rows are computed together; compute what combines "
+                f"rows outside the pipelined model (in the loss), or train this model with FSDPv2 or "
+                f"Pattern 1 instead of pipeline stages")
+
     def _direct_call(self, module, args):
         if not self._tracing:
             raise SpmdError(f"{type(module).__name__} is split into pipeline stages over the '{self.axis}' axis; run "
                             f"it through its runner (runner.step(inputs, targets, loss_fn)), not model(...)")
 
     # -- the step -------------------------------------------------------------------------------
-    def _trace(self, micro: torch.Tensor):
+    def _trace(self, micro: torch.Tensor, rows: int):
         pipelining = _pipelining()
         self._tracing = True
         try:
+            with _plain_stand_ins(self.model):
+                self._check_rows_apart(micro, rows)
             with warnings.catch_warnings():
                 # torch.export's own use of a deprecated pytree check on this torch: not the program's
                 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
@@ -443,7 +459,7 @@ class PipelineRunner:
                                 f"(training {traced[2]}, at {when}); the stages keep that shape and mode: pad every "
                                 f"batch to it (a collator padding to a fixed length; drop_last=True for a short last "
                                 f"batch) and switch train()/eval() before making the runner")
-            self._stages[shape] = self._trace(micro)
+            self._stages[shape] = self._trace(micro, rows)
         key = (shape, loss_fn)
         if key not in self._traces:
             stages = self._stages[shape]

@@ -526,6 +526,9 @@ class XlaEngine(Engine):
             raise SpmdError("FSDPv2(compile={...}): torch.compile options belong to the native engine; on the "
                             "torch_xla engine every step is compiled by XLA already (compile=True is accepted and "
                             "changes nothing)")
+        if options.get("per_process"):
+            raise SpmdError("FSDPv2(per_process=True) is not available on the torch_xla engine: GSPMD computes the "
+                            "global view of the program; leave it unset")
         dtype = _autocast_dtype(options.get("mixed_precision"))
         return _fsdp_class()(module, mesh=mesh, shard_output=shard_output, auto_wrap_policy=auto_wrap_policy,
                              auto_wrapper_callable=auto_wrapper_callable, extra_data_axis=extra_data_axis,
