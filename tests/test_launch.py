@@ -223,32 +223,55 @@ def _workers(r):
             for l in r.stdout.splitlines() if l.startswith("rank ") and "name=" in l}
 
 
-@pytest.mark.parametrize("start", ["fork", "subprocess"])
-@pytest.mark.parametrize("as_module", [False, True])
-def test_workers_run_the_program_as_python_would(tmp_path, start, as_module):
-    # Forked or new, a worker runs the program as `python -u prog.py args` (or `python -m`) would:
-    # __main__, its argv and sys.path[0], one thread per core, the malloc settings in effect,
-    # atexit handlers, its exit status.
-    pkg = tmp_path / "pkg"
+def _package(folder: Path) -> Path:
+    """``folder/pkg``, a package holding PROGRAM as ``pkg/prog.py``."""
+    pkg = folder / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "prog.py").write_text(PROGRAM)
-    target = ["-m", "pkg.prog"] if as_module else [str(pkg / "prog.py")]
-    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", *target, "x", "0"],
-                       capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                       env=_env(TORCHSPMD_START_METHOD=start, TORCHSPMD_ALL_RANKS_OUTPUT=1, OMP_NUM_THREADS=1,
-                                PYTHONPATH=ROOT))
+    return pkg
+
+
+def _program_run(once, start: str, as_module: bool) -> tuple[Path, subprocess.CompletedProcess]:
+    """`torchspmd run --nproc 2` of PROGRAM (``pkg/prog.py x 0``, as a script or with -m) with
+    TORCHSPMD_START_METHOD ``start``, made once for the test run (``once``): the folder it ran in
+    and the run. test_workers_run_the_program_as_python_would checks it and
+    test_forked_workers_share_the_launchers_runtime reads its workers' memory."""
+
+    def make(folder):
+        pkg = _package(folder)
+        target = ["-m", "pkg.prog"] if as_module else [str(pkg / "prog.py")]
+        r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", *target, "x", "0"],
+                           capture_output=True, text=True, timeout=240, cwd=folder,
+                           env=_env(TORCHSPMD_START_METHOD=start, TORCHSPMD_ALL_RANKS_OUTPUT=1, OMP_NUM_THREADS=1,
+                                    PYTHONPATH=ROOT))
+        return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+
+    folder, r = once(f"launch-program-{start}-{'module' if as_module else 'script'}", make)
+    return folder, subprocess.CompletedProcess([], r["returncode"], r["stdout"], r["stderr"])
+
+
+@pytest.mark.parametrize("start", ["fork", "subprocess"])
+@pytest.mark.parametrize("as_module", [False, True])
+def test_workers_run_the_program_as_python_would(once, tmp_path, start, as_module):
+    # Forked or new, a worker runs the program as `python -u prog.py args` (or `python -m`) would:
+    # __main__, its argv and sys.path[0], one thread per core, the malloc settings in effect,
+    # atexit handlers, its exit status.
+    folder, r = _program_run(once, start, as_module)
+    pkg = folder / "pkg"
     assert r.returncode == 0, r.stderr
     workers = _workers(r)
     assert sorted(workers) == [0, 1], r.stdout
     for w in workers.values():
         assert w["name"] == "__main__" and w["threads"] == "1" and w["heap"] == "True", w
         assert w["argv"].split("|") == [str(pkg / "prog.py"), "x", "0"], w
-        assert w["path0"] == str(tmp_path if as_module else pkg), w
+        assert w["path0"] == str(folder if as_module else pkg), w
         assert w["preloaded"] == str(start == "fork"), w
     assert sorted(l for l in r.stdout.splitlines() if " atexit " in l) == ["rank 0 atexit thread_done=True",
                                                                             "rank 1 atexit thread_done=True"]
     # the exit status of a program that calls sys.exit(3)
+    pkg = _package(tmp_path)
+    target = ["-m", "pkg.prog"] if as_module else [str(pkg / "prog.py")]
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", *target, "x", "3"],
                        capture_output=True, text=True, timeout=240, cwd=tmp_path,
                        env=_env(TORCHSPMD_START_METHOD=start, PYTHONPATH=ROOT))
@@ -280,16 +303,13 @@ def test_forked_workers_print_whole_lines(tmp_path):
     assert sorted(lines) == sorted(f"rank {r} line {i} end" for r in (0, 1) for i in range(3000))
 
 
-def test_forked_workers_share_the_launchers_runtime(tmp_path):
+def test_forked_workers_share_the_launchers_runtime(once):
     # The launcher has imported torch and torchspmd; its forks share those pages, so a worker's
     # own (private) memory after use_spmd() is a fraction of a new Python's (measured here:
-    # ~10 MB against ~185 MB).
-    p = tmp_path / "prog.py"
-    p.write_text(PROGRAM)
+    # ~10 MB against ~185 MB). The runs are test_workers_run_the_program_as_python_would's.
     private = {}
     for start in ("fork", "subprocess"):
-        r = _run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(p), "0"],
-                 TORCHSPMD_START_METHOD=start, TORCHSPMD_ALL_RANKS_OUTPUT=1)
+        _, r = _program_run(once, start, as_module=False)
         assert r.returncode == 0, r.stderr
         private[start] = [float(w["private_mb"]) for w in _workers(r).values()]
     assert len(private["fork"]) == len(private["subprocess"]) == 2, private

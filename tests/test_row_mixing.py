@@ -3,14 +3,28 @@ a softmax, a running maximum or product over the batch, nonzero, masked_select a
 the batch size as a value) give one device's
 losses, gradients and parameters sharded: the automatic path computes locally only what it
 proves row-local (docs/guide.md), and the rest runs on the global view. The oracle is the
-same program on one plain process (tests/_row_mixing_programs.py, a clean process)."""
+same program on one plain process (tests/_row_mixing_programs.py, a clean process: one for
+every layer's oracle, computed once per test process)."""
 
 import pytest
 import torch
 from _clean import run_clean
-from _row_mixing_programs import ATOL, LAYERS, RTOL, train
+from _row_mixing_programs import ATOL, LAYERS, RTOL, train, train_each
 
 MIXING = [name for name in LAYERS if name != "row-local"]
+WITHOUT_ROWS = ["argmax-gather", "amax0", "median0", "cummax0", "nonzero"]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One device's results for every layer (batches of 7 rows), from one clean process."""
+    return run_clean(train_each, list(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def references_5_rows():
+    """One device's results for the layers of test_a_process_without_rows, batches of 5 rows."""
+    return run_clean(train_each, WITHOUT_ROWS, "plain", 5)
 
 
 def _check(results, ref):
@@ -25,9 +39,9 @@ def _check(results, ref):
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 4])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_pattern1_gives_one_devices_result(dist, world, layer):
+def test_pattern1_gives_one_devices_result(dist, references, world, layer):
     # batches of 7 rows: split 4+3 over 2 processes, 2+2+2+1 over 4
-    ref = run_clean(train, layer)
+    ref = references[layer]
     results = dist(world).run(train, layer, "pattern1")
     _check(results, ref)
     decided = results[0][3]
@@ -39,10 +53,10 @@ def test_pattern1_gives_one_devices_result(dist, world, layer):
         assert decided in ([False], []), decided  # not proven: on the global view
 
 
-@pytest.mark.parametrize("layer", ["argmax-gather", "amax0", "median0", "cummax0", "nonzero"])
-def test_a_process_without_rows(dist, layer):
+@pytest.mark.parametrize("layer", WITHOUT_ROWS)
+def test_a_process_without_rows(dist, references_5_rows, layer):
     # 5 rows over 4 processes: 2, 2, 1 and none (DTensor's gather raised on the empty block)
-    ref = run_clean(train, layer, "plain", 5)
+    ref = references_5_rows[layer]
     _check(dist(4).run(train, layer, "pattern1", 5), ref)
 
 
