@@ -74,6 +74,13 @@ def build_mixing() -> LM:
     return model
 
 
+def build_head_first() -> LM:
+    """The LM, its head registered before its layers (the forward uses it last)."""
+    model = build()
+    model._modules = {"lm_head": model._modules.pop("lm_head"), **model._modules}
+    return model
+
+
 def build_llama() -> nn.Module:
     """A tiny transformers Llama (4 decoder layers, grouped-query attention, its embedding tied
     to the LM head), without a KV cache."""

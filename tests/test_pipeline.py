@@ -203,6 +203,8 @@ def _errors():
     out["shape"] = _error(lambda: runner.step(x[:, :5], y[:, :5], M.loss_fn))  # a second shape
     gpipe = ts.pipeline(M.build(), mesh, split=M.Layer, microbatches=4, schedule="gpipe", example_inputs=x)
     out["example"] = _error(lambda: gpipe.step(*M.batches(8)[0], M.loss_fn))  # not example_inputs' shape
+    out["registered"] = _error(lambda: ts.pipeline(M.build_head_first(), mesh, split=M.Layer, microbatches=4).step(
+        *M.batches(8)[0], M.loss_fn))
     out["mixing"] = _error(lambda: ts.pipeline(M.build_mixing(), mesh, split=M.Layer, microbatches=4).step(
         *M.batches(8)[0], M.loss_fn))
     two_d = ts.Mesh(np.arange(n), (2, n // 2), ("pipeline", "fsdp"))
@@ -228,6 +230,10 @@ def test_errors_name_the_argument_on_every_process(dist):
            "(training True, at the first step)" in got["shape"]
     assert "micro-batches of shape (2, 6) (training True), but the stages were traced for (1, 6) " \
            "(training True, at example_inputs)" in got["example"]
+    # a parameter the forward uses in a later stage than the modules it is registered with: the
+    # same error on every process (not only the stage's, which left the others waiting)
+    assert "the forward pass uses 'lm_head.weight' in stage 3, but it is registered with the modules of " \
+           "another stage" in got["registered"]
     # a layer mixing the batch's rows: named, with the operator (the stages would compute it per micro-batch)
     assert "the stages compute each micro-batch of 2 rows on its own" in got["mixing"]
     assert "torch.ops.aten.mean.dim in module 'layers.2' (BatchCentred) reduces over dim 0" in got["mixing"]
@@ -345,3 +351,17 @@ def test_dropout_draws_a_stream_of_its_own_and_leaves_the_programs_random_state_
     assert first[0] == first[1] and first == second
     no_dropout = run_clean(M.oracle, "plain", 4)[0]
     assert first[0][0][0] != pytest.approx(no_dropout[0], rel=1e-3)  # the masks dropped something (same model)
+
+
+def test_the_stages_hold_what_is_registered_around_layers_without_parameters():
+    """The modules registered after the last layer go with the last stage even when no layer
+    holds a parameter (a parameter's place among the layers' is no guide then: the head went
+    to the first stage, and the traced step refused it; found by tests/test_fuzz.py)."""
+    from torchspmd.engines.native.pipeline_stages import plan_stages
+
+    model = torch.nn.Sequential()
+    model.add_module("fc_in", torch.nn.Linear(5, 6))
+    model.add_module("layers", torch.nn.ModuleList([torch.nn.GELU(), torch.nn.Tanh(), torch.nn.ReLU()]))
+    model.add_module("fc_out", torch.nn.Linear(6, 3))
+    plan = plan_stages(model, 2, ["layers.0", "layers.1", "layers.2"])
+    assert plan.params == (("fc_in.weight", "fc_in.bias"), ("fc_out.weight", "fc_out.bias"))

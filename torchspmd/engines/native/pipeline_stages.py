@@ -79,10 +79,16 @@ def plan_stages(model: nn.Module, num_stages: int, layers: list[str]) -> StagePl
                 return layer
         return None
 
-    first_layer_at = min(names.index(n) for n in names if owner(n) is not None) if any(
-        owner(n) for n in names) else len(names)
-    pre = sum(model.get_parameter(n).numel() for n in names[:first_layer_at] if owner(n) is None)
-    post = sum(model.get_parameter(n).numel() for n in names[first_layer_at:] if owner(n) is None)
+    # before or after the layers by the order the modules are registered in (the layers
+    # may hold no parameters at all: a parameter's place among the layers' is no guide then)
+    modules = [n for n, _ in model.named_modules(remove_duplicate=False)]
+    first_layer_at = modules.index(layers[0])
+
+    def before(pname: str) -> bool:
+        return modules.index(pname.rpartition(".")[0]) < first_layer_at
+
+    pre = sum(model.get_parameter(n).numel() for n in names if owner(n) is None and before(n))
+    post = sum(model.get_parameter(n).numel() for n in names if owner(n) is None and not before(n))
     # cumulative size at the start of each layer, the first stage's extra modules included
     cum = [pre]
     for n in layers:
@@ -99,9 +105,9 @@ def plan_stages(model: nn.Module, num_stages: int, layers: list[str]) -> StagePl
     bounds = [0, *starts_at, len(layers)]
     stage_of_layer = {layers[i]: k for k in range(num_stages) for i in range(bounds[k], bounds[k + 1])}
     params: list[list[str]] = [[] for _ in range(num_stages)]
-    for i, n in enumerate(names):
+    for n in names:
         layer = owner(n)
-        k = stage_of_layer[layer] if layer is not None else (0 if i < first_layer_at else num_stages - 1)
+        k = stage_of_layer[layer] if layer is not None else (0 if before(n) else num_stages - 1)
         params[k].append(n)
     sizes = []
     for k in range(num_stages):
@@ -367,19 +373,26 @@ class PipelineRunner:
         if SCHEDULES[self.schedule_name][1] > 1:
             # (the single-stage schedules send a value straight to any later stage)
             _relay_skip_connections(pipe.split_gm)
-        stages = []
-        for k in self.stage_indices:
-            sub = pipe.get_stage_module(k)
+        # Every process traced every stage: each checks them all, so that a stage's parameter
+        # registered with another stage's modules is the same error on every process (a check of
+        # this process's stages alone left the others waiting for it in the schedule).
+        for k in range(self.num_stages):
             planned = {id(self.model.get_parameter(n)) for n in self.plan.params[k]}
-            for n, p in list(sub.named_parameters(remove_duplicate=False)):
+            for n, _ in pipe.get_stage_module(k).named_parameters(remove_duplicate=False):
                 try:
                     original = self.model.get_parameter(n)
                 except AttributeError:
                     raise SpmdError(f"pipeline: stage {k}'s parameter {n!r} is not one of the model's") from None
                 if id(original) not in planned:
                     raise SpmdError(f"pipeline: the forward pass uses {n!r} in stage {k}, but it is registered with "
-                                    f"the modules of another stage; give split= the module names so that the "
-                                    f"modules a stage uses are registered with it")
+                                    f"the modules of another stage; register the model's modules in the order its "
+                                    f"forward uses them, or give split= the module names so that the modules a "
+                                    f"stage uses are registered with it")
+        stages = []
+        for k in self.stage_indices:
+            sub = pipe.get_stage_module(k)
+            for n, p in list(sub.named_parameters(remove_duplicate=False)):
+                original = self.model.get_parameter(n)
                 parent, leaf = _parent_and_leaf(sub, n)
                 if getattr(parent, leaf) is not original:
                     parent.register_parameter(leaf, original)  # the model's own parameter
