@@ -10,6 +10,7 @@ the orders and extrema ops take have no ties; ops whose outputs could grow are f
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -150,33 +151,43 @@ def draw(seed: int) -> list[str]:
     return ops
 
 
+class Op(nn.Module):
+    """One drawn op, a module of its own (the automatic path decides per module, FSDPv2's
+    nested policy wraps each op as a unit, pipeline stages are cut between ops)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        fn = OPS[name][1]
+        if name in ("residual", "tied"):
+            self.layer = nn.Linear(W, W)
+        elif getattr(getattr(fn, "__code__", None), "co_argcount", 1) == 0:
+            self.layer = fn()
+        else:
+            self.layer = None
+
+    def forward(self, h):
+        if self.name == "residual":
+            return h + torch.tanh(self.layer(h))
+        if self.name == "tied":  # the same weight twice, once transposed
+            return torch.tanh(F.linear(torch.tanh(self.layer(h)), self.layer.weight.t()))
+        if self.layer is not None:
+            return self.layer(h)
+        return OPS[self.name][1](h)
+
+
 class Program(nn.Module):
     def __init__(self, ops: list[str]):
         super().__init__()
         self.ops = ops
-        self.fc_in = nn.Linear(5, W)
-        self.fc_out = nn.Linear(W, 3)
-        self.layers = nn.ModuleDict()
-        for i, name in enumerate(ops):
-            fn = OPS[name][1]
-            if name in ("residual", "tied"):
-                self.layers[str(i)] = nn.Linear(W, W)
-            elif getattr(getattr(fn, "__code__", None), "co_argcount", 1) == 0:
-                self.layers[str(i)] = fn()
+        self.fc_in = nn.Linear(5, W)  # (registered in the order the forward uses them: pipeline
+        self.layers = nn.ModuleList([Op(name) for name in ops])  # stages hold what is
+        self.fc_out = nn.Linear(W, 3)  # registered before the first op in the first stage)
 
     def forward(self, x):
         h = self.fc_in(x)
-        for i, name in enumerate(self.ops):
-            fn = OPS[name][1]
-            layer = self.layers[str(i)] if str(i) in self.layers else None
-            if name == "residual":
-                h = h + torch.tanh(layer(h))
-            elif name == "tied":  # the same weight twice, once transposed
-                h = torch.tanh(F.linear(torch.tanh(layer(h)), layer.weight.t()))
-            elif layer is not None:
-                h = layer(h)
-            else:
-                h = fn(h)
+        for op in self.layers:
+            h = op(h)
         return self.fc_out(h)
 
 
@@ -199,9 +210,31 @@ def train(seed: int, rows: int, strategy: str = "plain", dtype=torch.float32):
             mesh = ts.Mesh(np.arange(n), (n // 2, 2), ("data", "model"))
             ts.mark_sharding(model.fc_in.weight, mesh, ("model", None))
             ts.mark_sharding(model.fc_out.weight, mesh, (None, "model"))
+            axis = "data"
+        elif strategy == "fsdpv2-2d":  # ('fsdp', 'model'): both outer weights column-parallel
+            # over 'model' (fc_out's 3 outputs unevenly); no pair, so each output is gathered
+            mesh = ts.Mesh(np.arange(n), (n // 2, 2), ("fsdp", "model"))
+            ts.mark_sharding(model.fc_in.weight, mesh, ("model", None))
+            ts.mark_sharding(model.fc_out.weight, mesh, ("model", None))
+            axis = "fsdp"
+        elif strategy == "fsdpv2-2d-paired":  # fc_in column-, fc_out row-parallel: a pair, the
+            # activation between them kept split over 'model' (each process its features)
+            mesh = ts.Mesh(np.arange(n), (n // 2, 2), ("fsdp", "model"))
+            ts.mark_sharding(model.fc_in.weight, mesh, ("model", None))
+            ts.mark_sharding(model.fc_out.weight, mesh, (None, "model"))
+            axis = "fsdp"
+        elif strategy.startswith("fsdpv2"):
+            mesh = ts.Mesh(np.arange(n), (n,), ("fsdp",))
+            axis = "fsdp"
         else:
             mesh = ts.Mesh(np.arange(n), (n,), ("data",))
-        data = list(ts.MpDeviceLoader(data, ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None))))
+            axis = "data"
+        if strategy.startswith("fsdpv2"):
+            # "fsdpv2-nested": each op a unit of its own inside the root unit
+            policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={Op}) \
+                if strategy == "fsdpv2-nested" else None
+            model = ts.FSDPv2(model, mesh, auto_wrap_policy=policy)
+        data = list(ts.MpDeviceLoader(data, ts.device(), input_sharding=ts.ShardingSpec(mesh, (axis, None))))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, grads = [], {}
     for x, y in data:
@@ -223,6 +256,57 @@ def train_all(seeds: list[int], rows: int, strategy: str = "plain", dtype=torch.
             out[seed] = train(seed, rows, strategy, dtype)
         except Exception as e:  # noqa: BLE001 - reported as the program's result, compared with the oracle's
             out[seed] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def train_stages(seeds: list[int], rows: int, microbatches: int = 2) -> dict:
+    """Each program as pipeline stages, one per process of a ``('pipeline',)`` mesh, cut
+    between its ops (``1f1b``, ``microbatches`` micro-batches): this process's losses, and the
+    gradients and final values of the parameters its stages hold (the caller joins the
+    processes'), or the error it raised (as text)."""
+    out = {}
+    for seed in seeds:
+        try:
+            out[seed] = _train_stages(seed, rows, microbatches)
+        except Exception as e:  # noqa: BLE001 - reported as the program's result
+            out[seed] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _train_stages(seed: int, rows: int, microbatches: int):
+    import torchspmd as ts
+
+    torch.manual_seed(seed)
+    model = Program(draw(seed))
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n,), ("pipeline",))
+    runner = ts.pipeline(model, mesh, split=Op, microbatches=microbatches, schedule="1f1b")
+    opt = torch.optim.SGD(runner.parameters(), lr=0.05)
+    losses, grads = [], {}
+    for x, y in batches(seed, rows):
+        losses.append(runner.step(x, y, F.mse_loss).item())
+        grads = {k: p.grad.clone() for k, p in runner.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: p.detach().clone() for k, p in runner.named_parameters()}
+
+
+def join_stages(results: list) -> dict:
+    """The processes' ``train_stages`` results as one: every process's losses (they must agree),
+    each parameter from the process that holds it."""
+    out = {}
+    for seed, first in results[0].items():
+        if any(isinstance(r[seed], str) for r in results):
+            out[seed] = next(r[seed] for r in results if isinstance(r[seed], str))
+            continue
+        if any(r[seed][0] != first[0] for r in results):
+            out[seed] = f"the processes' losses differ: {[r[seed][0] for r in results]}"
+            continue
+        grads, state = {}, {}
+        for r in results:
+            grads.update(r[seed][1])
+            state.update(r[seed][2])
+        out[seed] = (first[0], grads, state)
     return out
 
 
@@ -325,13 +409,43 @@ def _plant(bug: str):
         def undo():
             gradient_sums.register = register
         return undo
+    if bug == "unit-proof-says-local":  # FSDPv2 computes every model on this process's rows
+        from torchspmd.engines.native import unit_rows
+
+        decide = unit_rows.RowPaths.local
+        unit_rows.RowPaths.local = lambda self, *a, **k: True
+
+        def undo():
+            unit_rows.RowPaths.local = decide
+        return undo
+    if bug == "whole-batch-gradient-n-times":  # FSDPv2's global view: every process's gradient
+        from torchspmd.engines.native import unit_rows  # counted as the whole batch's (n times)
+
+        convert = unit_rows.outputs_from_whole
+
+        def n_times(output, layout, data_dims, who):
+            n = layout.device_mesh.size()
+            scaled = output * n - output.detach() * (n - 1)  # (the same values, n times the gradient)
+            return convert(scaled, layout, data_dims, who)
+
+        unit_rows.outputs_from_whole = n_times
+
+        def undo():
+            unit_rows.outputs_from_whole = convert
+        return undo
     raise ValueError(bug)
 
 
+#: the strategy each planted bug is in
+PLANTED_IN = {"proof-says-local": "pattern1", "per-process-mean-loss": "pattern1",
+              "dropped-gradient-sum": "pattern1", "unit-proof-says-local": "fsdpv2",
+              "whole-batch-gradient-n-times": "fsdpv2"}
+
+
 def planted(bug: str, seeds: list[int], rows: int) -> dict:
-    """``train_all`` on the automatic path with ``bug`` planted (and taken out after)."""
+    """``train_all`` on the strategy ``bug`` is in, with ``bug`` planted (and taken out after)."""
     undo = _plant(bug)
     try:
-        return train_all(seeds, rows, "pattern1")
+        return train_all(seeds, rows, PLANTED_IN[bug])
     finally:
         undo()
