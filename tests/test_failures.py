@@ -142,7 +142,7 @@ PIPELINE = """
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList(Layer() for _ in range(2))
+            self.layers = nn.ModuleList(Layer() for _ in range(4))  # (two stages a process: interleaved)
             self.head = nn.Linear(4, 2)
 
         def forward(self, x):
@@ -165,7 +165,7 @@ PIPELINE = """
 """
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
 @pytest.mark.parametrize("fail, said", [
     ('raise ValueError("stage failed 0.8812")', "torchspmd: rank 1 failed: ValueError: stage failed 0.8812 (at "),
     ("os.kill(os.getpid(), signal.SIGKILL)", "torchspmd: rank 1 was killed by SIGKILL"),
