@@ -216,8 +216,8 @@ def _shm_calls(calls, fresh_group=False, with_gloo=False):
                 native = torch.empty_like(got)
                 if with_gloo:
                     dist.reduce_scatter_tensor(native, x.clone(), group=group)
-            arena = coll._ARENAS[(id(group), {"ag": "all_gather", "rs": "reduce_scatter",
-                                              "rsa": "reduce_scatter_input"}[kind])]
+            arena = coll._ARENAS[(group.group_name, {"ag": "all_gather", "rs": "reduce_scatter",
+                                                   "rsa": "reduce_scatter_input"}[kind])]
             results.append((got, native if with_gloo else None, arena.capacity, arena.path))
     finally:
         coll.RS_STEP_BYTES = default_step

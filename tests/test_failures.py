@@ -128,6 +128,45 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start
     assert len(summary) == 2 + len(hints) and len(hints) == ("SIGKILL" in how), r.stderr
 
 
+SHARED = """
+    import functools, numpy as np, torch.nn as nn, torch.nn.functional as F
+    from torchspmd.engines.native import gradient_sums
+
+    WHERE = False
+
+    def die(*args):
+        if rank == 1 and WHERE:
+            os._exit(3)
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    if "KIND" == "fsdpv2":  # rank 1 dies as the second unit gathers its parameters (shared memory)
+        mesh = ts.Mesh(np.arange(2), (2,), ("fsdp",))
+        net = ts.FSDPv2(net, mesh, auto_wrap_policy=functools.partial(
+            ts.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}), collectives="shm")
+        net[2].register_forward_pre_hook(die, prepend=True)  # (before FSDP2 gathers: rank 0 is inside)
+    else:  # Pattern 1: rank 1 dies inside DDP's hook, after its row of the shared buffer is written
+        mesh = ts.Mesh(np.arange(2), (2,), ("data",))
+        original = gradient_sums.SharedMemorySum._meet
+        gradient_sums.SharedMemorySum._meet = lambda self: (die(), original(self))
+    spec = ts.ShardingSpec(mesh, (mesh.axis_names[0], None))
+    for step in range(3):
+        WHERE = step == 2
+        x = ts.shard_batch(torch.randn(6, 4), spec)
+        F.mse_loss(net(x), ts.shard_batch(torch.randn(6, 2), spec)).backward()
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("kind", ["fsdpv2", "ddp-hook"])
+def test_a_process_that_dies_inside_a_shared_memory_collective_ends_the_job(tmp_path, kind):
+    """The shared-memory transport's waits (gloo's barriers around FSDPv2's gather, the
+    step's sums polling the shared memory inside DDP's hook) notice a peer that is gone."""
+    r, summary, _ = _run(tmp_path, SHARED.replace("KIND", kind))
+    assert r.returncode == 3, r.stderr
+    assert summary[0].startswith("torchspmd: rank 1 exited with code 3 and recorded no exception"), r.stderr
+    assert summary[1].startswith("torchspmd: rank 0 ") and "after rank 1 failed" in summary[1], summary
+
+
 PIPELINE = """
     import numpy as np, torch.nn as nn, torch.nn.functional as F
 

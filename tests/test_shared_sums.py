@@ -130,7 +130,9 @@ shared_sums.all_reduce(torch.ones(2)).wait()
 try:
     if os.environ["CASE"] == "skip" and rank == 1:
         os._exit(0)  # ends without making the sum the other makes
-    t = torch.ones(3 if rank == 0 else 4) if os.environ["CASE"] == "size" else torch.ones(2)
+    t = {"size": torch.ones(3 if rank == 0 else 4), "dtype": torch.ones(3, dtype=torch.float32 if rank == 0
+                                                                         else torch.float64)}.get(
+        os.environ["CASE"], torch.ones(2))
     shared_sums.all_reduce(t).wait()
     print(f"rank {rank}: no error", flush=True)
 except Exception as e:
@@ -138,9 +140,9 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("case", ["size", "skip"])
+@pytest.mark.parametrize("case", ["size", "dtype", "skip"])
 def test_disagreeing_or_ended_processes_raise(tmp_path, case):
-    """Different sizes: every process raises, naming them. A process that ended: the one
+    """Different sizes or dtypes: every process raises, naming them. A process that ended: the one
     waiting for it raises (within the check interval), naming it, instead of waiting forever."""
     script = tmp_path / "sums.py"
     script.write_text(textwrap.dedent(_DISAGREE))
@@ -152,9 +154,81 @@ def test_disagreeing_or_ended_processes_raise(tmp_path, case):
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=120)[0] for p in procs]
-    if case == "size":
+    if case in ("size", "dtype"):
         for rank, out in enumerate(outs):
             assert f"rank {rank}: SpmdError" in out, out
-            assert "torch.float32 x 3, torch.float32 x 4" in out and "differ in dtype or size" in out, out
+            assert "differ in dtype or size" in out, out
+            assert ("torch.float32 x 3, torch.float32 x 4" if case == "size" else
+                    "torch.float32 x 3, torch.float64 x 3") in out, out
     else:
         assert "rank 0: PeerLost" in outs[0] and "process 1 (pid" in outs[0] and "ended" in outs[0], outs[0]
+
+
+class _Bucket:  # (what DDP hands a communication hook)
+    def __init__(self, t, index, count):
+        self.t, self.i, self.n = t, index, count
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return self.i
+
+    def is_last(self):
+        return self.i == self.n - 1
+
+
+def _without_shared_memory(how: str):
+    """Sums, gradient buckets and FSDPv2's gather where the shared memory cannot be used:
+    ``how`` is "weak-order" (a machine whose stores other cores may see out of order, as
+    ARM's: the gate forced), "no-room" (/dev/shm cannot hold the buffer, as in a default
+    Docker container's 64 MB) or "outgrown" (the gradient buckets outgrow the buffer made at
+    the start, and no larger one can be had). Each user falls back alike on every process."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchspmd.engines.native import gradient_sums, shared_memory, shared_sums
+
+    made = shared_memory.new_file
+
+    def no_room(size):
+        return [None, f"cannot make a {size}-byte buffer (test: no room)"]
+
+    if how == "weak-order":
+        os.environ[shared_memory.ORDER_SWITCH] = "weak"  # (the pool puts the environment back)
+    elif how == "no-room":
+        shared_memory.new_file = no_room
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = dist.new_group(list(range(world)))  # (a group no earlier test made a buffer for)
+        small = torch.tensor([rank + 0.25, 2.0 * rank])
+        work = shared_sums.all_reduce(small, group)
+        through_backend = not isinstance(work, shared_sums._Done)
+        work.wait()
+        sums_right = small.tolist() == [sum(r + 0.25 for r in range(world)), 2.0 * sum(range(world))]
+        params = [nn.Parameter(torch.zeros(1000))]
+        ddp = DistributedDataParallel(nn.ParameterList(params), process_group=group, init_sync=False)
+        chosen = gradient_sums.register(ddp, group, params)
+        if how == "outgrown":
+            shared_memory.new_file = no_room
+        n = 400_000 if how == "outgrown" else 1000  # (1.6 MB: more than the 1 MiB row made at the start)
+        every = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        hook, state = ddp._comm_hooks[0]
+        grads_right = []
+        for step in range(2):
+            bucket = every[rank].clone()
+            hook(state, _Bucket(bucket, 0, 1)).wait()
+            grads_right.append(torch.allclose(bucket, sum(every), rtol=1e-6, atol=1e-6))
+        return through_backend, sums_right, chosen, all(grads_right)
+    finally:
+        shared_memory.new_file = made
+
+
+@pytest.mark.parametrize("how", ["weak-order", "no-room", "outgrown"])
+def test_every_user_falls_back_to_the_backend_alike(dist, how):
+    for through_backend, sums_right, chosen, grads_right in dist(2).run(_without_shared_memory, how):
+        assert sums_right and grads_right
+        assert through_backend == (how != "outgrown")
+        # (weak order: the buckets still go through shared memory, ordered by the backend's barriers)
+        assert chosen == ("backend" if how == "no-room" else "shared memory")

@@ -49,14 +49,13 @@ variants by name.
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from torchspmd.engines.native import shared_memory
 from torchspmd.errors import SpmdError
 from torchspmd.patches import fsdp as fsdp_patches
 
@@ -144,37 +143,11 @@ class _Arena:
         return part[:nbytes]
 
 
-def _shared_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def shared_file(size: int) -> list:
-    """``[path, None]`` of a new file of ``size`` bytes in :func:`_shared_dir`, its space
-    reserved (so that a full ``/dev/shm`` fails here, not with a SIGBUS at first touch), or
-    ``[None, reason]``."""
-    path, where = None, _shared_dir()
-    try:
-        fd, path = tempfile.mkstemp(prefix="torchspmd-", dir=where)
-        try:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        return [path, None]
-    except OSError as e:
-        if path is not None:
-            os.unlink(path)
-        return [None, f"cannot make a {size}-byte shared-memory buffer in {where} ({e})"]
-
-
-_ARENAS: dict[tuple[int, str], _Arena] = {}
-_SAME_MACHINE: dict = {}  # group name -> same_machine(group)
+_ARENAS: dict[tuple, _Arena] = {}  # (group name, kind) -> its arena
 
 
 def _arena(group: dist.ProcessGroup, kind: str) -> _Arena:
-    key = (id(group), kind)
+    key = (shared_memory.group_key(group), kind)
     if key not in _ARENAS:
         _ARENAS[key] = _Arena(group, 2 if kind == "reduce_scatter" else 1)
     return _ARENAS[key]
@@ -316,25 +289,15 @@ def _shares_params(module) -> bool:
 
 
 def map_shared(group: dist.ProcessGroup, size: int) -> tuple[torch.Tensor, str]:
-    """A new ``size``-byte shared-memory buffer every process of ``group`` maps (collective):
-    rank 0 makes the file, every process maps it, rank 0 deletes it (the mappings live on)."""
-    rank = group.rank()
-    made = [None, None]  # the file's path, or why it could not be made
-    if rank == 0:
-        made = shared_file(size)
-    try:
-        dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
-        if made[1] is not None:
-            raise SpmdError(
-                f"FSDPv2(collectives='shm'): {made[1]}; give it more room (docker run --shm-size=...) "
-                "or use FSDPv2(collectives='allreduce')"
-            )
-        base = torch.from_file(made[0], shared=True, size=size, dtype=torch.uint8)
-        dist.barrier(group=group)  # every process has mapped it
-    finally:
-        if rank == 0 and made[0] is not None:
-            os.unlink(made[0])  # the mappings live on; nothing is left in /dev/shm
-    return base, made[0]
+    """A new ``size``-byte buffer every process of ``group`` maps (``shared_memory.map_for``);
+    without the room, the same ``SpmdError`` on every process, with the fixes."""
+    base, path = shared_memory.map_for(group, size)
+    if base is None:
+        raise SpmdError(
+            f"FSDPv2's shared-memory collectives (collectives='shm', or 'auto' on one machine): {path}; give "
+            "/dev/shm more room (docker run --shm-size=...) or use FSDPv2(collectives='allreduce')"
+        )
+    return base, path
 
 
 class _Region:
@@ -399,13 +362,14 @@ class _SharedParams:
         return region
 
 
-_SHARED: dict[int, _SharedParams] = {}
+_SHARED: dict = {}  # group name -> its shared parameters' slabs
 
 
 def _shared(group: dist.ProcessGroup) -> _SharedParams:
-    if id(group) not in _SHARED:
-        _SHARED[id(group)] = _SharedParams(group)
-    return _SHARED[id(group)]
+    key = shared_memory.group_key(group)
+    if key not in _SHARED:
+        _SHARED[key] = _SharedParams(group)
+    return _SHARED[key]
 
 
 #: id of a gather's output not yet copied out -> (the output, its collective, its region).
@@ -589,19 +553,6 @@ def sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
             out.add_(rows[r])
 
 
-def same_machine(group: dist.ProcessGroup) -> bool:
-    """Whether every process of ``group`` runs on this machine (collective the first time it
-    is asked for a group). Kept by the group's name, which every process gives it alike (an
-    ``id`` is an address: a new group may reuse a freed one's on some processes only, which
-    would then skip the collective the others make)."""
-    key = getattr(group, "group_name", None) or id(group)
-    if key not in _SAME_MACHINE:
-        names: list = [None] * group.size()
-        dist.all_gather_object(names, socket.gethostname(), group=group)
-        _SAME_MACHINE[key] = len(set(names)) == 1
-    return _SAME_MACHINE[key]
-
-
 def backend_of(group: dist.ProcessGroup, device: torch.device) -> str:
     try:
         return str(dist.get_backend(group)) if device.type != "cuda" else "nccl"
@@ -623,7 +574,7 @@ def choose(collectives: str, module, one_group: bool = True) -> str:
     gloo_cpu = "gloo" in backend_of(pg, device) and device.type == "cpu"
     if collectives == "auto" and not gloo_cpu:
         return "native"
-    on_one_machine = same_machine(pg)
+    on_one_machine = shared_memory.same_machine(pg)
     if collectives == "shm" and not (gloo_cpu and on_one_machine and one_group):
         raise SpmdError(
             "FSDPv2(collectives='shm'): shared-memory collectives need CPU tensors, a gloo group whose processes "

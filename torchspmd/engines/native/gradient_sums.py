@@ -19,8 +19,9 @@ compute, that thread takes a core from the program for the whole reduction):
 
 The buffer holds every process's gradients once plus the result, ``(processes + 1) x`` the
 trainable parameters' bytes in ``/dev/shm`` for the whole machine, mapped once. Without the
-room there, across machines, off the CPU, or with ``TORCHSPMD_SHARED_GRADIENTS=0``, the
-hook is gloo's (or the group backend's) all-reduce with a sum, as before.
+room there (``shared_memory``: when it is made, or when the buckets outgrow it: from then on),
+across machines, off the CPU, or with ``TORCHSPMD_SHARED_GRADIENTS=0``, the buckets are
+summed by gloo's (or the group backend's) all-reduce.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import collectives, shared_sums
+from torchspmd.engines.native import collectives, shared_memory, shared_sums
 
 SWITCH = "TORCHSPMD_SHARED_GRADIENTS"  # "0": the group backend's all-reduce
 
@@ -74,8 +75,17 @@ class SharedMemorySum:
             offsets.append(end)
             end += _aligned(buf.numel() * buf.element_size())
         if end > self.row_bytes:  # (the buckets have the same sizes on every process: all grow here)
-            self.row_bytes = -(-end // 2**20) * 2**20
-            self.buffer, _ = collectives.map_shared(self.group, (self.world + 1) * self.row_bytes)
+            row_bytes = -(-end // 2**20) * 2**20
+            buffer, _ = shared_memory.map_for(self.group, (self.world + 1) * row_bytes)
+            if buffer is None:  # (alike on every process) no room: the backend sums, from now on
+                self.buffer = None
+            else:
+                self.buffer, self.row_bytes = buffer, row_bytes
+        if self.buffer is None:
+            for buf, fut in pending:
+                dist.all_reduce(buf, group=self.group)
+                fut.set_result(buf)
+            return
         rows = self.buffer[: self.world * self.row_bytes].view(self.world, self.row_bytes)
         result = self.buffer[self.world * self.row_bytes:]
         for (buf, _), at in zip(pending, offsets):
@@ -102,32 +112,14 @@ def backend_sum(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def _shared_buffer(group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
-    """A shared buffer every process of ``group`` maps (collective), or None, alike on every
-    process, when ``/dev/shm`` has not the room."""
-    made = [None, None]
-    if group.rank() == 0:
-        made = collectives.shared_file(nbytes)
-    dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
-    if made[1] is not None:
-        return None
-    try:
-        buffer = torch.from_file(made[0], shared=True, size=nbytes, dtype=torch.uint8)
-        dist.barrier(group=group)  # every process has mapped it
-    finally:
-        if group.rank() == 0:
-            os.unlink(made[0])  # the mappings live on; nothing is left in /dev/shm
-    return buffer
-
-
 def register(ddp, group: dist.ProcessGroup, params: list[torch.Tensor]) -> str:
     """Give ``ddp`` (over ``group``) the hook that sums its buckets; return which:
     ``"shared memory"`` or ``"backend"``. Collective: every process decides alike."""
     if group.size() > 1 and os.environ.get(SWITCH, "1") != "0" and all(p.device.type == "cpu" for p in params) \
-            and "gloo" in collectives.backend_of(group, torch.device("cpu")) and collectives.same_machine(group):
+            and "gloo" in collectives.backend_of(group, torch.device("cpu")) and shared_memory.same_machine(group):
         row = sum(_aligned(p.numel() * p.element_size()) for p in params)  # (a bucket at most this, all of them)
         row = max(1, -(-row // 2**20)) * 2**20
-        buffer = _shared_buffer(group, (group.size() + 1) * row)
+        buffer, _ = shared_memory.map_for(group, (group.size() + 1) * row)
         if buffer is not None:
             ddp.register_comm_hook(None, SharedMemorySum(group, buffer, row).hook)
             return "shared memory"

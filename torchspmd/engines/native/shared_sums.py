@@ -20,9 +20,10 @@ group runs on one x86-64 machine, these sums go through shared memory instead:
 A place is written again ``RING`` sums later, once every process has read what it held:
 before writing, a process finishes (reads and keeps) every sum of its own it has not
 waited for that is that old, and waits for every other process to have done the same.
-x86-64 keeps stores in order (TSO), so a sequence number read means the values before it
-are there; other architectures, groups spanning machines, tensors wider than ``WIDTH`` or
-off the CPU are summed by the group's backend as before. The choice depends only on the
+A sequence number read means the values before it are there only where stores are seen in
+order (x86-64; ``shared_memory`` argues it and holds the gate): other architectures, groups
+spanning machines, tensors wider than ``WIDTH`` or off the CPU are summed by the group's
+backend, and so is everything when the shared buffer cannot be had. The choice depends only on the
 group, the dtype and the size, alike on every process.
 
 Waiting polls: it yields the core, then sleeps in growing steps (at most
@@ -35,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
-import socket
 import threading
 import time
 import weakref
@@ -46,8 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import global_mode
-from torchspmd.engines.native.collectives import shared_file
+from torchspmd.engines.native import global_mode, shared_memory
 from torchspmd.errors import PeerLost, SpmdError
 
 RING = 64
@@ -240,7 +238,7 @@ def through_backend():
 
 def _enabled() -> bool:
     return (os.environ.get(SWITCH, "1") != "0" and not getattr(_THROUGH_BACKEND, "on", False)
-            and platform.machine().lower() in ("x86_64", "amd64"))
+            and shared_memory.ordered_stores())
 
 
 def _board(group) -> _Board | None:
@@ -250,22 +248,12 @@ def _board(group) -> _Board | None:
         return _BOARDS[group]
     world, rank = group.size(), group.rank()
     size = (world + RING * world * (2 + WIDTH)) * 8  # int64 words: each process's "finished up to", the ring
-    here = [socket.gethostname(), os.getpid(), None]
-    if rank == 0:
-        here[2] = shared_file(size)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, here, group=group)
-    path, reason = everyone[0][2]
     board = None
-    try:
-        if reason is None and len({h for h, _, _ in everyone}) == 1:
-            memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            timeout = _timeout(group)
-            board = _Board(group, world, rank, [p for _, p, _ in everyone], memory, timeout)
-        dist.barrier(group=group)  # every process has mapped it
-    finally:
-        if rank == 0 and path is not None:
-            os.unlink(path)  # the mappings live on; nothing is left in /dev/shm
+    if shared_memory.same_machine(group):
+        memory, _ = shared_memory.map_for(group, size)
+        if memory is not None:
+            pids = [pid for _, pid in shared_memory.members(group)]
+            board = _Board(group, world, rank, pids, memory, _timeout(group))
     _BOARDS[group] = board
     return board
 
