@@ -82,6 +82,32 @@ def test_auto_picks_shared_memory_on_one_machine(dist):
     assert dist(2).run(_variant, "allreduce")[0] == ["AllReduceAllGather"]
 
 
+def _variant_without_room():
+    """'auto' where /dev/shm has no room for the unit (a default Docker container's 64 MB):
+    the backend's collectives, with a warning. ('shm' asked by name raises:
+    test_shared_memory_buffer_that_cannot_be_made_fails_on_every_rank.)"""
+    import warnings
+
+    from torchspmd.engines.native import shared_memory
+    from torchspmd.engines.native.collectives import SharedMemoryUnavailableWarning
+
+    made = shared_memory.new_file
+    shared_memory.new_file = lambda size: [None, f"cannot make a {size}-byte shared-memory buffer (test: no room)"]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            auto = _variant("auto")
+        return auto, [str(w.message) for w in caught if issubclass(w.category, SharedMemoryUnavailableWarning)]
+    finally:
+        shared_memory.new_file = made
+
+
+def test_auto_takes_the_backend_where_dev_shm_has_no_room(dist):
+    for auto, warned in dist(2).run(_variant_without_room):
+        assert auto == ["native"]  # ('auto' through the backend: FSDP2's gather, the all-reduce reduce-scatter)
+        assert len(warned) == 1 and "test: no room" in warned[0] and "--shm-size" in warned[0], warned
+
+
 def _fsdp_reduce_scatter_path():
     """Train an FSDPv2 model (two units of uneven sizes and the root) one step with the
     shared-memory collectives; return the shared buffers the collectives asked for, in order."""

@@ -49,6 +49,7 @@ variants by name.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -580,7 +581,36 @@ def choose(collectives: str, module, one_group: bool = True) -> str:
             "FSDPv2(collectives='shm'): shared-memory collectives need CPU tensors, a gloo group whose processes "
             "are all on this machine, and reshard_after_forward True or False; use collectives='auto'"
         )
-    return "shm" if on_one_machine and one_group else "allreduce"
+    if not (on_one_machine and one_group):
+        return "allreduce"
+    if collectives == "auto":
+        # Room in /dev/shm for this unit, reserved for a moment (collective: every process
+        # learns the same answer): without it, the backend's collectives, exact as well.
+        need = _room_needed(groups, pg.size())
+        room, why = shared_memory.map_for(pg, need)
+        if room is None:
+            warnings.warn(f"FSDPv2(collectives='auto'): {why}; this unit's collectives take the all-reduce form "
+                          f"through the backend instead of shared memory (slower on one machine: give /dev/shm "
+                          f"more room, docker run --shm-size=...)", SharedMemoryUnavailableWarning, stacklevel=2)
+            return "allreduce"
+        del room
+    return "shm"
+
+
+class SharedMemoryUnavailableWarning(UserWarning):
+    """FSDPv2's ``'auto'`` collectives found no room in ``/dev/shm`` for a unit and took the
+    backend's instead."""
+
+
+def _room_needed(groups, world: int) -> int:
+    """The shared bytes a unit is likely to need at once: its gathered parameters three
+    times (FSDP2 holds the root, the current unit and the next gathered), its gradients'
+    rows from every process, and the direct calls' buffer."""
+    try:  # (a DTensor's numel is its global one)
+        unit = sum(fp.sharded_param.numel() * fp.sharded_param.element_size() for g in groups for fp in g.fsdp_params)
+    except AttributeError:  # (another FSDP2: the direct calls' buffer at least)
+        unit = 0
+    return 3 * unit + world * unit + 16 * 2**20
 
 
 def install(module, collectives: str, one_group: bool = True) -> str:
