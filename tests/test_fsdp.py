@@ -480,3 +480,30 @@ def test_compile_compiles_each_wrapped_block(dist):
     assert len(compiled) == 2 and all("DecoderLayer" in c for c in compiled)
     assert graphs >= 1
     assert keys == sorted(_model().state_dict())  # names unchanged
+
+
+def _seed_shard_output(model_axis):
+    """The seed's Pattern 4 idiom: ``shard_output`` marks the logits and drops the result."""
+    import warnings
+
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (n // model_axis, model_axis), ("fsdp", "model"))
+    wrapped = ts.FSDPv2(_model(), mesh, shard_output=_mark_logits, auto_wrap_policy=_policy())
+    x, y = next(iter(torch.utils.data.DataLoader(_batches(7), batch_size=7)))
+    spec = ts.ShardingSpec(mesh, ("fsdp", None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = wrapped(ts.shard_batch(x, spec))
+            _loss(out, ts.shard_batch(y, spec)).backward()
+    said = [str(w.message) for w in caught if "mark_sharding" in str(w.message)]
+    return said, ts.get_sharding(out), tuple(out.shape)
+
+
+@pytest.mark.parametrize("world, model_axis", [(2, 1), (4, 2)])
+def test_the_seeds_shard_output_idiom_lays_out_the_output_silently(dist, world, model_axis):
+    """``mark_sharding(output, ...)`` inside ``shard_output``, its result dropped: the wrapper
+    returns the marked output (split on 'fsdp'); no process warns that it stayed whole."""
+    for said, sharding, shape in dist(world).run(_seed_shard_output, model_axis):
+        assert said == [], said
+        assert sharding == ("fsdp", None, None) and shape == (7, 8, VOCAB), (sharding, shape)

@@ -136,7 +136,8 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     (moved to the device first if it was a CPU tensor). On the native engine a plain tensor
     cannot change into a DTensor in place (``torch.utils.swap_tensors`` refuses: DTensor's
     objects have another layout), so a call whose result is dropped leaves a plain ``t`` whole
-    and warns; parameters and buffers are replaced in their modules, as said above. A tensor
+    and warns (not inside a wrapper's ``shard_output`` given ``t`` as part of the module's
+    output: the wrapper returns the marked value in its place); parameters and buffers are replaced in their modules, as said above. A tensor
     whose object has DTensor's layout (under ``--xla-compat``, what the program put on
     ``'xla'``) becomes the sharded tensor in place, as on torch_xla, and so does a DTensor
     marked again by a call whose result is dropped.
@@ -154,7 +155,7 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
             return t
         except RuntimeError:  # (held elsewhere: by autograd for backward, a weak reference...)
             pass
-    if dropped and type(t) is not type(out):
+    if dropped and type(t) is not type(out) and not engine.result_taken(out):
         warnings.warn(f"mark_sharding: the sharded tensor it returns is not used, and a plain tensor cannot become "
                       f"one in place (a DTensor is another Python object): t stays whole on every process (the "
                       f"values are the same; only the memory and the layout differ). Keep the result: "

@@ -173,6 +173,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def mark_sharding(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor: ...
 
+    def result_taken(self, marked: torch.Tensor) -> bool:
+        """Whether ``mark_sharding``'s result ``marked`` is used by the engine itself though the
+        program drops it (a wrapper's ``shard_output`` marking the module's output: the
+        wrapper returns the marked value)."""
+        return False
+
     @abc.abstractmethod
     def mark_sharding_with_gradients(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor: ...
 

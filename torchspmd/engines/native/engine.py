@@ -29,6 +29,7 @@ from torchspmd.engines.native import (
     fsdp,
     implicit_replication,
     launcher,
+    module_edges,
     module_slots,
     optimizer_steps,
     pipeline_stages,
@@ -204,6 +205,9 @@ class NativeEngine(Engine):
     # -- sharding ------------------------------------------------------------------------------
     def mark_sharding(self, t, mesh, spec, resolved):
         return sharding.mark_sharding(t, mesh, resolved)
+
+    def result_taken(self, marked):
+        return module_edges.taken_by_wrapper(marked)
 
     def mark_sharding_with_gradients(self, t, mesh, spec, resolved):
         return sharding.mark_sharding_with_gradients(t, mesh, resolved)

@@ -159,7 +159,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if self._fp32_outputs:
             output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
         if self._shard_output is not None:
-            with marking_outputs(layout) as marked:
+            with marking_outputs(layout, output) as marked:
                 returned = self._shard_output(output, self._mesh)
             return returned if returned is not None else replace_marked(output, marked)
         return _default_shard_output(output, layout)
@@ -179,7 +179,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
             # (the callable marks this process's rows, as it does on the local path)
             rows = map_tensors(output, lambda t: t.narrow(0, layout.local_start, layout.local_rows)
                                if t.dim() and t.shape[0] == layout.global_rows else t)
-            with marking_outputs(layout) as marked:
+            with marking_outputs(layout, rows) as marked:
                 returned = self._shard_output(rows, self._mesh)
             return returned if returned is not None else replace_marked(rows, marked)
         return unit_rows.outputs_from_whole(output, layout, self._data_dims, "FSDPv2")

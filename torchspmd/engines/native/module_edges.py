@@ -122,12 +122,29 @@ _MARKING = threading.local()
 
 
 @contextlib.contextmanager
-def marking_outputs(layout: BatchLayout | None):
-    _MARKING.state = (layout, {})
+def marking_outputs(layout: BatchLayout | None, output: Any = None):
+    """Around a ``shard_output`` callable given ``output``: what it marks (``mark_sharding``
+    on this process's blocks) is collected, by the marked tensor's ``id``."""
+    held: set[int] = set()
+    walk_tensors(output, lambda t: held.add(id(t)))
+    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
+        walk_tensors(list(vars(output).values()), lambda t: held.add(id(t)))
+    _MARKING.state = (layout, {}, held)
     try:
         yield _MARKING.state[1]
     finally:
         _MARKING.state = None
+
+
+def taken_by_wrapper(marked: torch.Tensor) -> bool:
+    """Whether ``marked`` (``mark_sharding``'s result) is one of the wrapped module's outputs
+    marked inside its ``shard_output`` callable: the wrapper returns it in place of the
+    output, whether the callable keeps it or not."""
+    state = getattr(_MARKING, "state", None)
+    if state is None:
+        return False
+    _, collected, held = state
+    return any(out is marked and key in held for key, out in collected.items())
 
 
 def mark_local_output(t: torch.Tensor, device_mesh, placements) -> DTensor | None:
@@ -135,7 +152,7 @@ def mark_local_output(t: torch.Tensor, device_mesh, placements) -> DTensor | Non
     state = getattr(_MARKING, "state", None)
     if state is None:
         return None
-    layout, marked = state
+    layout, marked, _ = state
     gshape = list(t.shape)
     for d in range(t.dim()):
         axes = [i for i, p in enumerate(placements) if p.is_shard(d)]
