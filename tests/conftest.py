@@ -39,11 +39,13 @@ def once(tmp_path_factory):
     """``once(name, make)``: made once for all the test runners of a run. ``make(folder)``
     fills an empty folder and returns a JSON value; ``once`` returns ``(folder, value)``.
     pytest-xdist's workers share the parent of their temporary directories: a file lock
-    there lets one of them make it while the others wait for it. A make that raised is
-    made again by the next caller. What is made is shared: tests read it and write their
-    own files elsewhere."""
+    there lets one of them make it while the others wait for it. A make that raised (or
+    ran past pytest-timeout's limit) is not made again: every later caller fails at once
+    with its error, so that one broken shared job costs one job's time, not one per test
+    that reads it. What is made is shared: tests read it and write their own files
+    elsewhere."""
     import json
-    import shutil
+    import traceback
 
     from filelock import FileLock
 
@@ -51,12 +53,19 @@ def once(tmp_path_factory):
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(name: str, make):
-        folder, done = shared / name, shared / f"{name}.json"
+        folder, done, failed = shared / name, shared / f"{name}.json", shared / f"{name}.failed"
         with FileLock(str(shared / f"{name}.lock")):
+            if failed.exists():
+                pytest.fail(f"the shared setup {name!r} failed in an earlier test (not made again):\n"
+                            f"{failed.read_text()[-3000:]}", pytrace=False)
             if not done.exists():
-                shutil.rmtree(folder, ignore_errors=True)  # what a make that raised left
                 folder.mkdir()
-                done.write_text(json.dumps({"value": make(folder)}))
+                try:
+                    value = make(folder)
+                except BaseException:  # pytest-timeout's signal and KeyboardInterrupt included
+                    failed.write_text(traceback.format_exc())
+                    raise
+                done.write_text(json.dumps({"value": value}))
             return folder, json.loads(done.read_text())["value"]
 
     return get

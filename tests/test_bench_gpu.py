@@ -30,7 +30,8 @@ def test_check_runs_on_cpu(tmp_path):
 
 def test_stages_against_fsdpv2_on_cpu(tmp_path):
     """The multi-device entry: 2 pipeline stages against FSDPv2 over 2 processes, same losses."""
-    r, result = _check(tmp_path, "--device", "cpu", "--tiny", "--check-dtype", "float32", "--stages-procs", "2")
+    r, result = _check(tmp_path, "--device", "cpu", "--tiny", "--check-dtype", "float32", "--stages-procs", "2",
+                        "--steps", "3", "--warmup", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert result["verdicts"]["stages-pipeline"][0] == "pass", result["verdicts"]
     assert [s["strategy"] for s in result["stages"]] == ["stages-fsdpv2", "stages-pipeline"]

@@ -131,15 +131,22 @@ def test_workers_get_the_malloc_settings_unless_the_user_chose(tmp_path):
     p.write_text(MALLOC_SCRIPT)
     run = [sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", str(p)]
     tuned = [str(32 * 2**20), str(2**40), str(256 * 2**20), None]
-    for launch, env, want in [(run, {}, tuned), ([sys.executable, str(p)], {}, tuned),  # relaunched per device
-                              (run, {"TORCHSPMD_MALLOC": "tuned"}, tuned),
-                              (run, {"TORCHSPMD_MALLOC": "default"}, [None] * 4),
-                              (run, {"MALLOC_ARENA_MAX": "2"}, [None, None, None, "2"]),
-                              (run, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, [None] * 4)]:
+    # the workers' environment, as launched and relaunched per device (the user's choices below reach
+    # them the same way: one launch with a choice of the user's checks that path end to end)
+    for launch, env, want in [(run, {}, tuned), ([sys.executable, str(p)], {}, tuned),
+                              (run, {"MALLOC_ARENA_MAX": "2"}, [None, None, None, "2"])]:
         r = _run(launch, CPU_NUM_DEVICES=2, TORCHSPMD_ALL_RANKS_OUTPUT=1, **env)
         assert r.returncode == 0, r.stderr
         got = sorted(l for l in r.stdout.splitlines() if " malloc " in l)
         assert got == [f"rank {i} malloc {want!r}" for i in range(2)], (env, r.stdout)
+    # what the launcher adds for each choice of the user's (the function both launch paths call)
+    from torchspmd.engines.native.host import allocator_env
+
+    want = dict(zip(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"), tuned))
+    for env, added in [({}, want), ({"TORCHSPMD_MALLOC": "tuned"}, want), ({"TORCHSPMD_MALLOC": "default"}, {}),
+                       ({"MALLOC_ARENA_MAX": "2"}, {}), ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, {}),
+                       ({"GLIBC_TUNABLES": "glibc.rtld.nns=2"}, want)]:
+        assert allocator_env({"PATH": "/bin", **env}) == added, env
 
 
 RELEASE_SCRIPT = textwrap.dedent(
@@ -269,7 +276,10 @@ def test_workers_run_the_program_as_python_would(once, tmp_path, start, as_modul
         assert w["preloaded"] == str(start == "fork"), w
     assert sorted(l for l in r.stdout.splitlines() if " atexit " in l) == ["rank 0 atexit thread_done=True",
                                                                             "rank 1 atexit thread_done=True"]
-    # the exit status of a program that calls sys.exit(3)
+    # the exit status of a program that calls sys.exit(3) (per start method: it does not depend on how
+    # the program was named)
+    if as_module:
+        return
     pkg = _package(tmp_path)
     target = ["-m", "pkg.prog"] if as_module else [str(pkg / "prog.py")]
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", "2", *target, "x", "3"],

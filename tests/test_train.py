@@ -87,24 +87,26 @@ def test_exact_resume(tmp_path):
     assert_identical(*dcp_states(halves / last, straight / last))
 
 
-@pytest.mark.parametrize("first,second", [(2, 4), (4, 2)])
-def test_resume_on_another_device_count(tmp_path, first, second):
-    straight, moved = tmp_path / "straight", tmp_path / "moved"
-    train(straight, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=first)
-    r = train(moved, "--optim.max_steps", "6", "--checkpoint.every", "3", devices=second,
-              *("--checkpoint.resume", str(straight / "checkpoints" / "step-00000003")))
-    assert f"{second} device(s)" in r.stdout and "saved on " + str(first) in r.stdout
-    a, b = losses(straight), losses(moved)
-    assert sorted(b) == [4, 5, 6]
-    for s in range(4, 7):
-        assert b[s] == pytest.approx(a[s], rel=1e-4)
-    # the weights and AdamW's state at the end (the last checkpoints, read by torch's DCP utility): fp32
-    # (measured: 1.5e-8 at most, on values of about 0.1)
-    last = Path("checkpoints") / "step-00000006"
-    got, want = (weights_and_optimizer(s) for s in dcp_states(moved / last, straight / last))
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+def test_resume_on_another_device_count(tmp_path):
+    """A job on 2 devices, resumed on 4 from its step 2, and that one resumed on 2 again from its
+    step 4: the losses and the final state are the straight job's."""
+    run = ("--optim.max_steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "0")
+    straight, moved, back = tmp_path / "straight", tmp_path / "moved", tmp_path / "back"
+    train(straight, *run, devices=2)
+    for source, out, step, first, second in ((straight, moved, 2, 2, 4), (moved, back, 4, 4, 2)):
+        r = train(out, *run, devices=second, *("--checkpoint.resume", str(source / "checkpoints" / f"step-{step:08d}")))
+        assert f"{second} device(s)" in r.stdout and "saved on " + str(first) in r.stdout
+        a, b = losses(straight), losses(out)
+        assert sorted(b) == list(range(step + 1, 7))
+        for s in b:
+            assert b[s] == pytest.approx(a[s], rel=1e-4)
+        # the weights and AdamW's state at the end (the last checkpoints, read by torch's DCP utility): fp32
+        # (measured: 1.5e-8 at most, on values of about 0.1)
+        last = Path("checkpoints") / "step-00000006"
+        got, want = (weights_and_optimizer(s) for s in dcp_states(out / last, straight / last))
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
@@ -243,8 +245,8 @@ def test_compiled_layers_train_like_eager(tmp_path):
 
 def test_pipeline_stages_train_as_the_job_without_and_resume_across_stage_counts(tmp_path):
     """--mesh.pipeline 2: the stages' losses and evaluation are the job's without stages (both
-    are one device's: fp32, rel 1e-5); a checkpoint of the stages resumes without them, and
-    one saved without resumes on 2 stages x 'fsdp' 2 (4 devices)."""
+    are one device's: fp32, rel 1e-5); a checkpoint saved without stages resumes on 2 stages x
+    'fsdp' 2 (4 devices). (A checkpoint of stages resumes without them: test_train_tp.)"""
     run = ("--optim.max_steps", "4", "--checkpoint.every", "2", "--logging.eval_every", "2")
     plain, stages = tmp_path / "plain", tmp_path / "stages"
     train(plain, *run)
@@ -267,8 +269,7 @@ def test_pipeline_stages_train_as_the_job_without_and_resume_across_stage_counts
                         "--mesh.devices", "2", "--mesh.pipeline", "2", "--optim.warmup_steps", "1", *SMALL],
                        capture_output=True, text=True, env=clean_env(), timeout=600, cwd=ROOT)
     assert r.returncode == 0 and "stage 1 on process(es) [1]: model.layers.1, model.norm, lm_head" in r.stdout, r.stderr
-    for source, out, args, devices in ((stages, tmp_path / "unsplit", (), 2),
-                                       (plain, tmp_path / "split", ("--mesh.pipeline", "2"), 4)):
+    for source, out, args, devices in ((plain, tmp_path / "split", ("--mesh.pipeline", "2"), 4),):
         r = train(out, *run, *args, "--checkpoint.resume", str(source / "checkpoints" / "step-00000002"),
                   devices=devices)
         assert "resumed from" in r.stdout

@@ -63,8 +63,9 @@ def seed_oracle(once):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("program", ["pattern1", "pattern3", "pattern4"])
+# Each program at one world size (2 and 4 both taken): the compat layer is the same at either, and
+# the native suite checks every pattern's engine path at 2 and 4 (test_one_program, test_fsdp).
+@pytest.mark.parametrize("program,world", [("pattern1", 4), ("pattern3", 2), ("pattern4", 4)])
 def test_seed_patterns_give_one_devices_losses(program, world, seed_oracle):
     out = _compat(HERE / f"{program}.py", world)
     expected = seed_oracle(program)
@@ -75,7 +76,7 @@ def test_seed_patterns_give_one_devices_losses(program, world, seed_oracle):
         assert p["types"] == ["DTensor"] and p["local"] < p["total"] / world * 1.5, p
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_seed_pattern2_full_example_gives_one_devices_losses(world, seed_oracle):
     out = _compat(HERE / "pattern2.py", world)
     first, last = seed_oracle("pattern2")
@@ -97,7 +98,7 @@ def hub(tmp_path_factory):
     return home
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_optimum_tpu_program_trains_sharded_like_the_stock_trainer(hub, tmp_path, world):
     out = _compat(HERE / "optimum_fsdp_v2.py", world, hub, tmp_path / "out")
     assert _losses(out) == pytest.approx(_oracle_once("optimum", hub, tmp_path.parent / "oracle"), rel=RTOL)

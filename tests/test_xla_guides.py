@@ -24,7 +24,7 @@ def _results(world: int, out) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # (one world size: the program uses its mesh by the device count it finds)
 def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
     results = _results(world, tmp_path)
     assert len(results) == world, "every process writes its results"
