@@ -174,3 +174,34 @@ def _relayout_in_place():
 def test_a_sharded_tensor_marked_again_with_the_result_dropped_changes_in_place(dist):
     before, after, same = same_on_every_rank(dist(2).run(_relayout_in_place))
     assert before == (["S(0)"], ["S(1)"]) and after == ["S(1)"] and same
+
+
+def _meshes_built_again():
+    import os
+
+    import torch
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def use(names):
+        mesh = ts.Mesh(np.arange(4), (2, 2), names)
+        t = ts.mark_sharding(torch.randn(6, 5), mesh, (names[0], names[1]))
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).shape
+
+    use(("p", "q"))
+    first = threads()
+    for _ in range(5):  # the same mesh again: its process groups again
+        use(("p", "q"))
+    again = threads()
+    use(("r", "s"))  # another mesh (other axis names): groups of its own
+    return first, again, threads()
+
+
+def test_the_same_mesh_built_again_reuses_its_process_groups(dist):
+    # A program that builds its Mesh in a function it calls each step: no new process groups (each
+    # gloo group holds threads for as long as the process runs: 141 leaked groups per process made
+    # the test suite's pools run hundreds of threads)
+    for first, again, other in dist(4).run(_meshes_built_again):  # (rank 0 runs the store's thread too)
+        assert again == first
+        assert other > first  # (the count sees new groups)

@@ -20,9 +20,17 @@ from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 
 
+#: The DeviceMeshes made, by the mesh's devices, shape and axis names, each with the default process
+#: group it was made under: a program that builds the same ``Mesh`` again (in a function it calls each
+#: step, or in each test of a suite) gets the same process groups, not new ones. Every process group
+#: holds its threads (gloo: three) until the process ends, and a DeviceMesh's groups cannot be handed
+#: back while a DTensor may still use them.
+_MADE: dict[tuple, tuple[object, DeviceMesh]] = {}
+
+
 def device_mesh(mesh) -> DeviceMesh:
-    """The DeviceMesh of ``mesh`` (created on first use, then kept on the mesh; every process
-    must reach it, as every process runs the same program)."""
+    """The DeviceMesh of ``mesh`` (created on first use, then kept on the mesh, and reused for
+    an equal mesh; every process must reach it, as every process runs the same program)."""
     made = getattr(mesh, "_device_mesh", None)
     if made is not None:
         return made
@@ -31,12 +39,19 @@ def device_mesh(mesh) -> DeviceMesh:
         raise SpmdError(f"{mesh!r} of shape {mesh.mesh_shape} is not mappable over {n} devices: the product of "
                         f"mesh_shape must equal global_runtime_device_count() ({n})")
     logical = mesh.get_logical_mesh()
-    if np.array_equal(logical.reshape(-1), np.arange(n)):
+    names = tuple(mesh.axis_names) if mesh.axis_names is not None else None
+    key = (topology.device_type(), logical.shape, tuple(logical.reshape(-1).tolist()), names)
+    world = dist.group.WORLD
+    earlier = _MADE.get(key)
+    if earlier is not None and earlier[0] is world:  # (made under this process group, not a destroyed one)
+        made = earlier[1]
+    elif np.array_equal(logical.reshape(-1), np.arange(n)):
         made = DeviceMesh(topology.device_type(), torch.as_tensor(logical, dtype=torch.int64),
                           mesh_dim_names=mesh.axis_names)
         _flatten_spans(made)
     else:
         made = mesh_over(logical, mesh.axis_names)
+    _MADE[key] = (world, made)
     mesh._device_mesh = made
     return made
 
