@@ -59,9 +59,6 @@ def test_fuzzed_programs_under_fsdpv2_give_one_devices_result(dist, strategy, wo
         assert not found, f"rank {rank}: " + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor-parallel pair is formed from the modules' structure, not "
-                   "proven from the forward: ops between its linears that combine features compute on each "
-                   "process's features (issue #57; docs/guide.md, Tensor parallelism)")
 def test_ops_between_a_tensor_parallel_pair_give_one_devices_result(dist):
     """Found by this fuzzer: fc_in column-parallel and fc_out row-parallel over 'model' are
     paired, and what runs between them (a softmax or a layer norm over the features, a view

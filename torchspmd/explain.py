@@ -96,6 +96,9 @@ class Explanation:
     #: FSDPv2 (native engine): each kind of call decided so far and where its model computes:
     #: None on this process's rows (proven row-local), else why on the global view
     row_paths: list[tuple[str, str | None]] = field(default_factory=list)
+    #: FSDPv2 (native engine) with tensor-parallel pairs: (kind of call, pair, None where its
+    #: activation stays split between its linears (proven), else why it is gathered)
+    pair_paths: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Calls per family (all_gather, reduce_scatter, all_reduce, ...), from CommDebugMode's counts."""
@@ -149,6 +152,14 @@ class Explanation:
             rows = [("call", "computes on")]
             for kind, why in self.row_paths:
                 rows.append((kind, "this process's rows (proven)" if why is None else f"the whole batch: {why}"))
+            lines += _table(rows)
+        if self.pair_paths:
+            lines.append("")
+            lines.append("Tensor-parallel pairs, per kind of call (the activation split between the linears only "
+                         "where proven)")
+            rows = [("call", "pair (row-parallel partner)", "activation")]
+            for kind, pair, why in self.pair_paths:
+                rows.append((kind, pair, "split (proven)" if why is None else f"gathered whole: {why}"))
             lines += _table(rows)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -537,6 +548,7 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
     paths = getattr(model, "row_paths", None)
     if callable(paths):
         result.row_paths = paths()
+        result.pair_paths = model.pair_paths()
         if getattr(model, "per_process", False) is True:
             result.notes.append("FSDPv2(per_process=True): every call computes on this process's rows, unanalysed")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:

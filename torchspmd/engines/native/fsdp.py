@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchspmd import state_keys
-from torchspmd.engines.native import global_mode, replicas, sharding, tensor_parallel, unit_rows
+from torchspmd.engines.native import global_mode, pair_proofs, replicas, sharding, tensor_parallel, unit_rows
 from torchspmd.engines.native import replaced_parameters as _stale
 from torchspmd.engines.native.collectives import install as install_collectives
 from torchspmd.engines.native.device_mesh import device_mesh
@@ -125,6 +125,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
         with tensor_parallel.naming(fqn):
             _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
+        #: which tensor-parallel pairs keep their activation split, per kind of call (proven)
+        self._pairs = pair_proofs.PairProofs(module)
         _tag_replaced(module, before)
         del before  # (the whole parameters: freed before handing their memory back)
         release_freed_memory()  # the whole parameters this process no longer holds
@@ -145,10 +147,19 @@ class SpmdFullyShardedDataParallel(nn.Module):
         given = (args, kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, device_mesh(self._mesh), self._data_dims, "FSDPv2")
         kind = (unit_rows.call_kind(*given), self._orig_module.training)
+        watch = self._pairs.watch(kind)  # (the same trace decides the pairs)
         with global_mode.local_region():  # (analysed as the local path would run it)
-            local = self._rows.local(self._orig_module, kind, args, kwargs, layout, self._data_dims, self._param_dtype)
-        if not local:
-            return self._forward_whole(given, layout)
+            local = self._rows.local(self._orig_module, kind, args, kwargs, layout, self._data_dims, self._param_dtype,
+                                     watch)
+            self._pairs.decide(kind, self._orig_module, args, kwargs, watch, self._param_dtype,
+                               device_mesh(self._mesh))
+        with self._pairs.in_effect(kind):
+            if not local:
+                return self._forward_whole(given, layout)
+            return self._forward_rows(args, kwargs, layout)
+
+    def _forward_rows(self, args: tuple, kwargs: dict, layout: BatchLayout) -> Any:
+        """Each process computes its own rows (proven to give one device's result)."""
         with global_mode.local_region(), local_rows_stream(layout, self._data_dims), warnings.catch_warnings():
             # A tensor-parallel LM head returns its gathered logits as a view; FSDP2 warns
             # about in-place ops on it, but the output goes on to become a global DTensor here.
@@ -188,6 +199,12 @@ class SpmdFullyShardedDataParallel(nn.Module):
     def per_process(self) -> bool:
         """``FSDPv2(per_process=True)``: every call on this process's rows, unanalysed."""
         return self._rows.per_process
+
+    def pair_paths(self) -> list[tuple[str, str, str | None]]:
+        """Each kind of call decided so far, each tensor-parallel pair (its row-parallel
+        partner's name) and None where its activation stays split (proven), else why it is
+        gathered (``pair_proofs``)."""
+        return self._pairs.describe()
 
     def row_paths(self) -> list[tuple[str, str | None]]:
         """Each kind of call decided so far (its inputs) and where it computes: None on this

@@ -29,7 +29,8 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["MEAN", "SUM", "Rows", "RowFlow", "row_flow", "where"]
+__all__ = ["MEAN", "SUM", "Flow", "Mixes", "Rows", "RowFlow", "norm_dim", "row_flow", "same_size", "shape_of",
+           "size_product", "size_quotient", "value_of", "where"]
 
 aten = torch.ops.aten
 
@@ -44,15 +45,15 @@ class Rows:
     inner: object = 1
 
     def plain(self) -> bool:
-        return self.dim == 0 and _same(self.outer, 1) and _same(self.inner, 1)
+        return self.dim == 0 and same_size(self.outer, 1) and same_size(self.inner, 1)
 
 
 MEAN = "mean over the rows"
 SUM = "sum over the rows"
 
 
-class _Mixes(Exception):
-    pass
+class Mixes(Exception):
+    """A rule not met: the message names the operator and the module that called it."""
 
 
 @dataclass
@@ -68,37 +69,37 @@ def _expr(size):
     return getattr(getattr(size, "node", None), "expr", size)
 
 
-def _same(a, b) -> bool:
+def same_size(a, b) -> bool:
     try:
         return sympy.expand(sympy.sympify(_expr(a)) - sympy.sympify(_expr(b))) == 0
     except (TypeError, sympy.SympifyError):
         return False
 
 
-def _prod(sizes):
+def size_product(sizes):
     out = sympy.Integer(1)
     for s in sizes:
         out = out * sympy.sympify(_expr(s))
     return out
 
 
-def _quotient(a, b):
+def size_quotient(a, b):
     """``a / b`` when it is a polynomial (b divides a for every size), else None."""
     q = sympy.cancel(sympy.sympify(a) / sympy.sympify(b))
     num, den = sympy.fraction(q)
     return q if den == 1 else None
 
 
-def _val(node):
+def value_of(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
 
 
-def _shape(node) -> tuple | None:
-    v = _val(node)
+def shape_of(node) -> tuple | None:
+    v = value_of(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _norm_dim(d: int, ndim: int) -> int:
+def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
@@ -139,7 +140,10 @@ _FULL_REDUCTIONS = {aten.sum.default: SUM, aten.mean.default: MEAN}
 _NORMS = {aten.native_layer_norm.default, aten.rms_norm.default}
 
 
-class _Flow:
+class Flow:
+    """The walk over a graph, one rule per operator (``_RULES``: a method name, so that a
+    subclass following another dim than the batch's overrides it)."""
+
     def __init__(self, graph, batch, row_index_nodes: set[str]):
         self.graph = graph
         self.batch = batch
@@ -156,7 +160,7 @@ class _Flow:
         return self.batch in getattr(sympy.sympify(_expr(size)), "free_symbols", ())
 
     def fail(self, node, why: str):
-        raise _Mixes(f"{_op_name(node.target)}{where(node)} {why}")
+        raise Mixes(f"{_op_name(node.target)}{where(node)} {why}")
 
     def tensors_in(self, node):
         return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
@@ -169,7 +173,7 @@ class _Flow:
         outputs = ()
         for node in self.graph.nodes:
             if node.op == "placeholder":
-                v = _val(node)
+                v = value_of(node)
                 if isinstance(v, torch.Tensor) and v.dim() and self.has_batch(v.shape[0]):
                     self.state[node.name] = Rows(0)
                 continue
@@ -191,7 +195,7 @@ class _Flow:
         if s is None or s in (MEAN, SUM):
             return s
         if not (isinstance(s, Rows) and s.plain()):
-            raise _Mixes(f"an output ({arg.name}) holds the batch's rows on dim {s.dim} rather than as its dim 0")
+            raise Mixes(f"an output ({arg.name}) holds the batch's rows on dim {s.dim} rather than as its dim 0")
         return s
 
     def set(self, node, state):
@@ -228,14 +232,14 @@ class _Flow:
             self.fail(node, "writes values of the batch's rows into a tensor in place")
         handler = _RULES.get(target)
         if handler is not None:
-            self.set(node, handler(self, node))
+            self.set(node, getattr(self, handler)(node) if isinstance(handler, str) else handler(self, node))
             return
         if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
             self.set(node, self.pointwise(node))
             return
         if target in _SAME_LAYOUT:
             self.set(node, self.of(node.args[0]) if self.of(node.args[0]) is not None else None)
-            if isinstance(_val(node), tuple):  # (native_dropout: the output and its mask)
+            if isinstance(value_of(node), tuple):  # (native_dropout: the output and its mask)
                 self.set(node, (self.of(node.args[0]), self.of(node.args[0])))
             return
         if target in _REDUCE_DIMS:
@@ -275,13 +279,13 @@ class _Flow:
 
     # -- rules -------------------------------------------------------------------------------
     def pointwise(self, node):
-        out = _shape(node)
+        out = shape_of(node)
         if out is None:
             self.fail(node, "gives no tensor")
         found = None
         for a in self.tensors_in(node):
             s = self.of(a)
-            shape = _shape(a)
+            shape = shape_of(a)
             if shape is None:
                 continue
             if s is None:
@@ -289,11 +293,11 @@ class _Flow:
             if not isinstance(s, Rows):
                 self.fail(node, "meets a value it cannot follow")
             d = s.dim + len(out) - len(shape)
-            if not _same(shape[s.dim], out[d]):
+            if not same_size(shape[s.dim], out[d]):
                 self.fail(node, "broadcasts the batch's dim")
             mapped = Rows(d, s.outer, s.inner)
-            if found is not None and not (found.dim == d and _same(found.outer, s.outer)
-                                          and _same(found.inner, s.inner)):
+            if found is not None and not (found.dim == d and same_size(found.outer, s.outer)
+                                          and same_size(found.inner, s.inner)):
                 self.fail(node, "combines values holding the batch in different places")
             found = mapped
         return found
@@ -302,7 +306,7 @@ class _Flow:
         (src, s), = [(a, t) for a, t in self.rows_args(node)] or [(None, None)]
         if not isinstance(s, Rows) or src is not node.args[0]:
             self.fail(node, "reduces with a value of the batch")
-        ndim = len(_shape(src))
+        ndim = len(shape_of(src))
         target = node.target
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         if target is aten.kthvalue.default:
@@ -312,7 +316,7 @@ class _Flow:
         if dims is None or dims == []:
             self.fail(node, "reduces over every dim, the batch's included")
         dims = [dims] if isinstance(dims, int) else list(dims)
-        dims = sorted(_norm_dim(d, ndim) for d in dims)
+        dims = sorted(norm_dim(d, ndim) for d in dims)
         if s.dim in dims:
             self.fail(node, f"reduces over dim {s.dim}, which holds the batch's rows")
         keep_at = _REDUCE_DIMS[target]
@@ -324,7 +328,7 @@ class _Flow:
             keep = node.args[keep_at] if len(node.args) > keep_at else node.kwargs.get("keepdim", False)
         d = s.dim if keep else s.dim - sum(1 for x in dims if x < s.dim)
         state = Rows(d, s.outer, s.inner)
-        return tuple([state] * len(_val(node))) if isinstance(_val(node), (tuple, list)) else state
+        return tuple([state] * len(value_of(node))) if isinstance(value_of(node), (tuple, list)) else state
 
     def along(self, node):
         src = node.args[0]
@@ -338,10 +342,10 @@ class _Flow:
             dim = node.args[key] if len(node.args) > key else node.kwargs.get("dim", -1)
         if node.target in (aten.sort.default, aten.argsort.default) and len(node.args) <= 1:
             dim = node.kwargs.get("dim", -1)
-        dim = _norm_dim(dim, len(_shape(src)))
+        dim = norm_dim(dim, len(shape_of(src)))
         if dim == s.dim:
             self.fail(node, f"works along dim {dim}, which holds the batch's rows")
-        out = _val(node)
+        out = value_of(node)
         return tuple([s] * len(out)) if isinstance(out, (tuple, list)) else s
 
     def view(self, node):
@@ -349,113 +353,113 @@ class _Flow:
         s = self.of(src)
         if not isinstance(s, Rows):
             self.fail(node, "meets a value it cannot follow")
-        ins, out = _shape(src), _shape(node)
-        outer = _prod(ins[:s.dim]) * sympy.sympify(_expr(s.outer))
-        inner = sympy.sympify(_expr(s.inner)) * _prod(ins[s.dim + 1:])
+        ins, out = shape_of(src), shape_of(node)
+        outer = size_product(ins[:s.dim]) * sympy.sympify(_expr(s.outer))
+        inner = sympy.sympify(_expr(s.inner)) * size_product(ins[s.dim + 1:])
         holding = [k for k, size in enumerate(out) if self.has_batch(size)]
         if len(holding) != 1:
             self.fail(node, "reshapes the batch's dim into several dims")
         k = holding[0]
-        new_outer = _quotient(outer, _prod(out[:k]))
-        new_inner = _quotient(inner, _prod(out[k + 1:]))
+        new_outer = size_quotient(outer, size_product(out[:k]))
+        new_inner = size_quotient(inner, size_product(out[k + 1:]))
         if new_outer is None or new_inner is None \
-                or not _same(out[k], new_outer * self.batch * new_inner):
+                or not same_size(out[k], new_outer * self.batch * new_inner):
             self.fail(node, "reshapes the batch's rows into other rows (interleaving them)")
         return Rows(k, new_outer, new_inner)
 
     def expand(self, node):
         src = node.args[0]
         s = self.of(src)
-        ins, out = _shape(src), _shape(node)
+        ins, out = shape_of(src), shape_of(node)
         d = s.dim + len(out) - len(ins)
-        if not _same(ins[s.dim], out[d]):
+        if not same_size(ins[s.dim], out[d]):
             self.fail(node, "expands the batch's dim")
         return Rows(d, s.outer, s.inner)
 
     def permute(self, node):
         s = self.of(node.args[0])
-        ndim = len(_shape(node.args[0]))
+        ndim = len(shape_of(node.args[0]))
         if node.target is aten.permute.default:
-            order = [_norm_dim(d, ndim) for d in node.args[1]]
+            order = [norm_dim(d, ndim) for d in node.args[1]]
         elif node.target is aten.t.default:
             order = [1, 0] if ndim == 2 else [0]
         else:  # transpose
-            a, b = (_norm_dim(d, ndim) for d in node.args[1:3])
+            a, b = (norm_dim(d, ndim) for d in node.args[1:3])
             order = list(range(ndim))
             order[a], order[b] = order[b], order[a]
         return Rows(order.index(s.dim), s.outer, s.inner)
 
     def unsqueeze(self, node):
         s = self.of(node.args[0])
-        ndim = len(_shape(node.args[0])) + 1
-        d = _norm_dim(node.args[1], ndim)
+        ndim = len(shape_of(node.args[0])) + 1
+        d = norm_dim(node.args[1], ndim)
         return Rows(s.dim + 1 if d <= s.dim else s.dim, s.outer, s.inner)
 
     def squeeze(self, node):
         s = self.of(node.args[0])
-        ins, out = _shape(node.args[0]), _shape(node)
-        removed = [i for i in range(len(ins)) if i < len(ins) and _same(ins[i], 1)]
+        ins, out = shape_of(node.args[0]), shape_of(node)
+        removed = [i for i in range(len(ins)) if i < len(ins) and same_size(ins[i], 1)]
         if node.target is not aten.squeeze.default:
             dims = node.args[1] if len(node.args) > 1 else []
             dims = [dims] if isinstance(dims, int) else list(dims)
-            removed = [i for i in (_norm_dim(d, len(ins)) for d in dims) if _same(ins[i], 1)]
+            removed = [i for i in (norm_dim(d, len(ins)) for d in dims) if same_size(ins[i], 1)]
         if len(ins) - len(removed) != len(out):
             self.fail(node, "squeezes dims it cannot tell")
         return Rows(s.dim - sum(1 for i in removed if i < s.dim), s.outer, s.inner)
 
     def select(self, node):
         s = self.of(node.args[0])
-        ndim = len(_shape(node.args[0]))
-        dim = _norm_dim(node.args[1], ndim)
+        ndim = len(shape_of(node.args[0]))
+        dim = norm_dim(node.args[1], ndim)
         if dim == s.dim:
             self.fail(node, f"picks an entry of dim {dim}, which holds the batch's rows")
         return Rows(s.dim - (1 if dim < s.dim else 0), s.outer, s.inner)
 
     def slice(self, node):
         s = self.of(node.args[0])
-        ins = _shape(node.args[0])
-        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ins))
+        ins = shape_of(node.args[0])
+        dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(ins))
         if dim == s.dim:
             start = node.args[2] if len(node.args) > 2 else 0
             end = node.args[3] if len(node.args) > 3 else None
             step = node.args[4] if len(node.args) > 4 else 1
             whole = (start in (0, None) and step == 1 and (end is None or isinstance(end, int) and end >= 2**62
-                                                              or _same(_expr(_val(end)), ins[dim])))
+                                                              or same_size(_expr(value_of(end)), ins[dim])))
             if not whole:
                 self.fail(node, f"slices dim {dim}, which holds the batch's rows")
         return s
 
     def split(self, node):
         s = self.of(node.args[0])
-        ndim = len(_shape(node.args[0]))
+        ndim = len(shape_of(node.args[0]))
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if node.target is aten.unbind.int:
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        dim = _norm_dim(dim, ndim)
+        dim = norm_dim(dim, ndim)
         if dim == s.dim:
             self.fail(node, f"splits dim {dim}, which holds the batch's rows")
         if node.target is aten.unbind.int:
             s = Rows(s.dim - (1 if dim < s.dim else 0), s.outer, s.inner)
-        return tuple([s] * len(_val(node)))
+        return tuple([s] * len(value_of(node)))
 
     def cat(self, node):
         tensors = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        out = _shape(node)
+        out = shape_of(node)
         found = None
         for t in tensors:
             s = self.of(t)
             if s is None:
-                if len(_shape(t)) == 1 and _same(_shape(t)[0], 0):
+                if len(shape_of(t)) == 1 and same_size(shape_of(t)[0], 0):
                     continue  # (an empty 1-D tensor, which cat skips)
-                if any(self.has_batch(x) for x in _shape(t)):
+                if any(self.has_batch(x) for x in shape_of(t)):
                     continue  # (a free value shaped as the batch: the same for every row)
                 self.fail(node, "joins the batch's rows with values that have none")
-            if not isinstance(s, Rows) or (found is not None and (found.dim != s.dim or not _same(found.outer, s.outer)
-                                                                    or not _same(found.inner, s.inner))):
+            if not isinstance(s, Rows) or (found is not None and (found.dim != s.dim or not same_size(found.outer, s.outer)
+                                                                    or not same_size(found.inner, s.inner))):
                 self.fail(node, "joins values holding the batch in different places")
             found = s
-        dim = _norm_dim(dim, len(out))
+        dim = norm_dim(dim, len(out))
         if node.target is aten.stack.default:
             return Rows(found.dim + 1 if dim <= found.dim else found.dim, found.outer, found.inner)
         if dim == found.dim:
@@ -472,7 +476,7 @@ class _Flow:
         batched = t in (aten.bmm.default, aten.baddbmm.default)
         if batched:
             if sa is not None and sb is not None:
-                if sa.dim == 0 and sb.dim == 0 and _same(sa.outer, sb.outer) and _same(sa.inner, sb.inner):
+                if sa.dim == 0 and sb.dim == 0 and same_size(sa.outer, sb.outer) and same_size(sa.inner, sb.inner):
                     state = sa
                 else:
                     self.fail(node, "multiplies values holding the batch in different places")
@@ -496,9 +500,9 @@ class _Flow:
                     self.fail(node, "contracts over the batch's dim")
                 state = sb
         if bias is not None and self.of(bias) is not None:
-            sbias, bshape = self.of(bias), _shape(bias)
-            d = sbias.dim + len(_shape(node)) - len(bshape)
-            if not (d == state.dim and _same(sbias.outer, state.outer) and _same(sbias.inner, state.inner)):
+            sbias, bshape = self.of(bias), shape_of(bias)
+            d = sbias.dim + len(shape_of(node)) - len(bshape)
+            if not (d == state.dim and same_size(sbias.outer, state.outer) and same_size(sbias.inner, state.inner)):
                 self.fail(node, "adds values holding the batch in different places")
         return state
 
@@ -510,13 +514,13 @@ class _Flow:
         others = [a for a, t in self.rows_args(node) if a is not src]
         if others or not isinstance(s, Rows) or s.dim != 0:
             self.fail(node, "meets the batch outside its input's dim 0")
-        if ndim_needed is not None and len(_shape(src)) != ndim_needed:
+        if ndim_needed is not None and len(shape_of(src)) != ndim_needed:
             self.fail(node, "gets an input without a batch dim")
-        out = _val(node)
+        out = value_of(node)
         return tuple([s] * len(out)) if isinstance(out, (tuple, list)) else s
 
     def conv(self, node):
-        w = _shape(node.args[1])
+        w = shape_of(node.args[1])
         return self.first_dim_op(node, len(w))
 
     def pool(self, node, spatial: int):
@@ -528,9 +532,9 @@ class _Flow:
         if len(self.rows_args(node)) != 1 or not isinstance(s, Rows):
             self.fail(node, "normalises with a value of the batch")
         normalized = len(node.args[1])
-        if s.dim >= len(_shape(src)) - normalized:
+        if s.dim >= len(shape_of(src)) - normalized:
             self.fail(node, "normalises over the batch's dim")
-        out = _val(node)
+        out = value_of(node)
         return tuple([s] * len(out)) if isinstance(out, (tuple, list)) else s
 
     def embedding(self, node):
@@ -569,7 +573,7 @@ class _Flow:
                 continue
             if not (isinstance(st, Rows) and st.plain()):
                 self.fail(node, "masks with values holding the batch off dim 0")
-        out = _val(node)
+        out = value_of(node)
         return tuple(Rows(0) if isinstance(o, torch.Tensor) and o.dim() and self.has_batch(o.shape[0]) else None
                      for o in out) if isinstance(out, (tuple, list)) else Rows(0)
 
@@ -593,17 +597,17 @@ class _Flow:
         s, si = self.of(src), self.of(index)
         if s is None:
             return si  # (each entry read by its own index)
-        dim = _norm_dim(dim, len(_shape(src)))
+        dim = norm_dim(dim, len(shape_of(src)))
         if not (isinstance(s, Rows) and isinstance(si, Rows) and s.dim == si.dim and dim != s.dim
-                and _same(s.outer, si.outer) and _same(s.inner, si.inner)
-                and _same(_shape(src)[s.dim], _shape(index)[si.dim])):
+                and same_size(s.outer, si.outer) and same_size(s.inner, si.inner)
+                and same_size(shape_of(src)[s.dim], shape_of(index)[si.dim])):
             self.fail(node, "gathers across the batch's rows")
         return s
 
     def index_select(self, node):
         src, dim, index = node.args[:3]
         s, si = self.of(src), self.of(index)
-        dim = _norm_dim(dim, len(_shape(src)))
+        dim = norm_dim(dim, len(shape_of(src)))
         if si is not None:
             if s is not None or not isinstance(si, Rows):
                 self.fail(node, "selects across the batch's rows")
@@ -615,7 +619,7 @@ class _Flow:
     def pad(self, node):
         s = self.of(node.args[0])
         pads = list(node.args[1])
-        ndim = len(_shape(node.args[0]))
+        ndim = len(shape_of(node.args[0]))
         for i in range(0, len(pads), 2):
             d = ndim - 1 - i // 2
             if d == s.dim and (pads[i] != 0 or pads[i + 1] != 0):
@@ -636,10 +640,10 @@ class _Flow:
         for a, s in self.rows_args(node):
             if not isinstance(s, Rows):
                 self.fail(node, "meets a value it cannot follow")
-            if found is not None and (len(_shape(a)) - s.dim != found[0] or not _same(s.outer, found[1].outer)
-                                      or not _same(s.inner, found[1].inner)):
+            if found is not None and (len(shape_of(a)) - s.dim != found[0] or not same_size(s.outer, found[1].outer)
+                                      or not same_size(s.inner, found[1].inner)):
                 self.fail(node, "combines values holding the batch in different places")
-            found = (len(_shape(a)) - s.dim, s)
+            found = (len(shape_of(a)) - s.dim, s)
         return found[1]
 
     def where_index(self, node):
@@ -667,54 +671,54 @@ def _op_name(target) -> str:
 
 
 _RULES = {
-    **{t: _Flow.view for t in _VIEWS},
-    aten.expand.default: _Flow.expand,
-    aten.permute.default: _Flow.permute, aten.transpose.int: _Flow.permute, aten.t.default: _Flow.permute,
-    aten.unsqueeze.default: _Flow.unsqueeze,
-    aten.squeeze.default: _Flow.squeeze, aten.squeeze.dim: _Flow.squeeze, aten.squeeze.dims: _Flow.squeeze,
-    aten.select.int: _Flow.select, aten.slice.Tensor: _Flow.slice,
-    aten.split.Tensor: _Flow.split, aten.split_with_sizes.default: _Flow.split, aten.unbind.int: _Flow.split,
-    aten.chunk.default: _Flow.split,
-    aten.cat.default: _Flow.cat, aten.stack.default: _Flow.cat,
-    aten.mm.default: _Flow.matmul, aten.addmm.default: _Flow.matmul, aten.bmm.default: _Flow.matmul,
-    aten.baddbmm.default: _Flow.matmul,
-    aten.convolution.default: _Flow.conv,
+    **{t: "view" for t in _VIEWS},
+    aten.expand.default: "expand",
+    aten.permute.default: "permute", aten.transpose.int: "permute", aten.t.default: "permute",
+    aten.unsqueeze.default: "unsqueeze",
+    aten.squeeze.default: "squeeze", aten.squeeze.dim: "squeeze", aten.squeeze.dims: "squeeze",
+    aten.select.int: "select", aten.slice.Tensor: "slice",
+    aten.split.Tensor: "split", aten.split_with_sizes.default: "split", aten.unbind.int: "split",
+    aten.chunk.default: "split",
+    aten.cat.default: "cat", aten.stack.default: "cat",
+    aten.mm.default: "matmul", aten.addmm.default: "matmul", aten.bmm.default: "matmul",
+    aten.baddbmm.default: "matmul",
+    aten.convolution.default: "conv",
     aten.max_pool2d_with_indices.default: lambda f, n: f.pool(n, 2),
     aten.max_pool1d.default: lambda f, n: f.pool(n, 1),
     aten.avg_pool2d.default: lambda f, n: f.pool(n, 2), aten.avg_pool1d.default: lambda f, n: f.pool(n, 1),
     aten._adaptive_avg_pool2d.default: lambda f, n: f.pool(n, 2),
     aten.adaptive_avg_pool1d.default: lambda f, n: f.pool(n, 1),
-    aten._native_batch_norm_legit_no_training.default: _Flow.first_dim_op,
-    aten.native_group_norm.default: _Flow.first_dim_op,
-    **{t: _Flow.norm for t in _NORMS},
-    aten.embedding.default: _Flow.embedding,
-    aten.index.Tensor: _Flow.index,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _Flow.attention,
-    aten._scaled_dot_product_efficient_attention.default: _Flow.attention,
-    aten._scaled_dot_product_flash_attention.default: _Flow.attention,
-    aten._scaled_dot_product_cudnn_attention.default: _Flow.attention,
-    aten._scaled_dot_product_attention_math.default: _Flow.attention,
-    aten.nll_loss_forward.default: _Flow.nll,
-    **{t: _Flow.pointwise_loss for t in (
+    aten._native_batch_norm_legit_no_training.default: "first_dim_op",
+    aten.native_group_norm.default: "first_dim_op",
+    **{t: "norm" for t in _NORMS},
+    aten.embedding.default: "embedding",
+    aten.index.Tensor: "index",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attention",
+    aten._scaled_dot_product_efficient_attention.default: "attention",
+    aten._scaled_dot_product_flash_attention.default: "attention",
+    aten._scaled_dot_product_cudnn_attention.default: "attention",
+    aten._scaled_dot_product_attention_math.default: "attention",
+    aten.nll_loss_forward.default: "nll",
+    **{t: "pointwise_loss" for t in (
         aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
         aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
         aten.soft_margin_loss.default)},
-    aten.sym_size.int: _Flow.sizes, aten.sym_numel.default: _Flow.sizes, aten.sym_stride.int: _Flow.sizes,
-    aten.sym_storage_offset.default: _Flow.sizes,
-    aten.copy_.default: _Flow.pointwise, aten.copy.default: _Flow.pointwise,
-    aten.gather.default: _Flow.gather, aten.index_select.default: _Flow.index_select,
-    aten.constant_pad_nd.default: _Flow.pad,
-    aten.nonzero.default: _Flow.where_index, aten.masked_select.default: _Flow.where_index,
+    aten.sym_size.int: "sizes", aten.sym_numel.default: "sizes", aten.sym_stride.int: "sizes",
+    aten.sym_storage_offset.default: "sizes",
+    aten.copy_.default: "pointwise", aten.copy.default: "pointwise",
+    aten.gather.default: "gather", aten.index_select.default: "index_select",
+    aten.constant_pad_nd.default: "pad",
+    aten.nonzero.default: "where_index", aten.masked_select.default: "where_index",
 }
 
 
 def row_flow(graph, batch, row_index_nodes: set[str] = frozenset()) -> RowFlow:
     """Follow the batch's rows through ``graph`` (a ``make_fx`` trace whose tensor inputs hold
     the batch, the symbol ``batch``, on dim 0); see the module's docstring."""
-    flow = _Flow(graph, batch, set(row_index_nodes))
+    flow = Flow(graph, batch, set(row_index_nodes))
     try:
         outputs = flow.run()
-    except _Mixes as e:
+    except Mixes as e:
         return RowFlow(str(e))
     except Exception as e:  # noqa: BLE001 - a rule that could not read an operator's arguments: not proven
         return RowFlow(f"the analysis could not follow an operator ({type(e).__name__}: {str(e)[:200]})")

@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torchspmd.engines.native.row_flow import row_flow, where
 from torchspmd.tree import walk_tensors
 
-__all__ = ["ROW_LOCAL_LAYERS", "BatchSizeProof", "batch_size_proof", "row_local_layer"]
+__all__ = ["ROW_LOCAL_LAYERS", "BatchSizeProof", "batch_size_proof", "row_local_layer", "trace_forward"]
 
 
 def _mha_row_local(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> bool:
@@ -358,7 +358,7 @@ def _symbolic_inputs(tensors: list) -> list:
     return out
 
 
-def _trace(module: nn.Module, flat: list, spec, tensor_at: list[int], size: int, layers=None):
+def _trace(module: nn.Module, flat: list, spec, tensor_at: list[int], size: int, layers=None, watch=None):
     """``module.forward`` traced with fake inputs of ``size`` rows, the batch a symbol
     (``_symbolic_inputs``); the module's real buffers are left as they were."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -378,7 +378,7 @@ def _trace(module: nn.Module, flat: list, spec, tensor_at: list[int], size: int,
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         with torch.random.fork_rng(devices=[]), _NoCollectives(), (layers or contextlib.nullcontext()), \
-                _ModuleNames(module):
+                (watch or contextlib.nullcontext()), _ModuleNames(module):
             return make_fx(forward, tracing_mode="symbolic", _allow_non_fake_inputs=True)(
                 *_symbolic_inputs(traced_inputs))
     finally:
@@ -509,32 +509,49 @@ def _same_computation(general, batch, one) -> bool:
     return True
 
 
-def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int, one_row: bool = False) -> BatchSizeProof:
+def _trace_inputs(args: tuple, kwargs: dict) -> tuple:
+    """(flat inputs, their tree, where the tensors are, the traced batch size): a size no
+    other input dim has, so that the trace gives the batch a symbol of its own."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensor_at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    others = [d for i in tensor_at for d in flat[i].shape[1:]]
+    return flat, spec, tensor_at, max([3, *[int(d) + 1 for d in others]])
+
+
+def trace_forward(module: nn.Module, args: tuple, kwargs: dict, watch=None):
+    """``module.forward(*args, **kwargs)`` traced as ``batch_size_proof`` traces it (fake
+    inputs, the batch a symbol; nothing runs), with ``watch`` (a context manager, e.g. hooks
+    recording nodes) entered around it. Raises what the trace raises."""
+    flat, spec, tensor_at, hint = _trace_inputs(args, kwargs)
+    return _trace(module, flat, spec, tensor_at, hint, watch=watch)
+
+
+def batch_size_proof(module: nn.Module, args: tuple, kwargs: dict, rows: int, one_row: bool = False,
+                     watch=None) -> BatchSizeProof:
     """Whether ``module.forward(*args, **kwargs)`` (this process's rows: every tensor input
     has ``rows`` rows on dim 0) computes alike for every batch size, as far as the batch size
     goes: the sizes of 1 row or more that satisfy the branches the trace took on it (torch's
     own kernel choices among them, e.g. a convolution's). The caller checks each call's sizes,
     every process's and the global batch's, with ``holds``. With ``one_row``, a call of 1 row
     is also traced and compared: where it computes what the general trace computes at 1 row,
-    1 row is covered whatever the branches. The module's hooks are not run."""
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    tensor_at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-    others = [d for i in tensor_at for d in flat[i].shape[1:]]
-    # A size no other input dim has, so the trace gives the batch a symbol of its own; the
-    # branches it takes are checked for the real sizes below.
-    hint = max([3, *[int(d) + 1 for d in others]])
+    1 row is covered whatever the branches. The module's hooks are not run. ``watch``: as
+    ``trace_forward``'s; the trace is left on it as ``watch.graph``."""
+    # The batch a symbol of its own; the branches the trace takes are checked for the real sizes below.
+    flat, spec, tensor_at, hint = _trace_inputs(args, kwargs)
     for i in tensor_at:
         if flat[i].dim() and flat[i].shape[0] != rows:
             return BatchSizeProof(f"an input of shape {tuple(flat[i].shape)} does not have the batch's {rows} rows "
                                   f"on dim 0")
     layers = _LayerSpans(module)
     try:
-        graph = _trace(module, flat, spec, tensor_at, hint, layers)
+        graph = _trace(module, flat, spec, tensor_at, hint, layers, watch)
     except _Collective as e:
         return BatchSizeProof(f"its forward calls torch.distributed ({e})")
     except Exception as e:  # noqa: BLE001 - a forward the trace cannot follow is not proven
         return BatchSizeProof(f"its forward could not be traced with a symbolic batch size "
                               f"({type(e).__name__}: {str(e)[:200]})")
+    if watch is not None:
+        watch.graph = graph  # (the trace, for another analysis of the same forward)
     batch = None
     shape_env = None
     for node in graph.graph.nodes:

@@ -100,6 +100,7 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
     axis_name = mesh.axis_label(axis)
     tp_mesh = dmesh[axis_name]
     pairs = _pairs(styles, tree, tp_mesh.size(), axis_name)
+    groups = _groups(pairs, tree, tp_mesh)
     ties = _ties(styles)
     for owner, style in styles.items():
         if style == MHA:
@@ -110,10 +111,14 @@ def prepare(module: nn.Module, mesh, data_dims: list[int], managed: set, strict:
         _to_tp_mesh(owner, annotated.get(owner, {}), data_dims, axis, tp_mesh, dmesh, style)
         parallelize_module(owner, tp_mesh, _plan(style, owner in pairs.columns, owner in pairs.rows))
         owner._torchspmd_tp = (axis_name, style, owner in pairs.columns or owner in pairs.rows)
-    for start, partner in pairs.starts.items():
-        start.register_forward_hook(_enter_split(tp_mesh, partner))
-    for partner in pairs.ends:
-        partner.register_forward_hook(_exit_split(partner))
+    for group in groups:
+        for start in group.starts:
+            start.register_forward_hook(_enter_split(tp_mesh, group))
+            start.register_forward_hook(_gather_unless_split(group))
+        for row in group.rows:
+            row.register_forward_pre_hook(_slice_unless_split(group), prepend=True)
+        group.partner.register_forward_hook(_exit_split(group.partner))
+    module._torchspmd_pair_groups = groups
     _retie(ties, tree.fqn)
     return leftovers
 
@@ -243,6 +248,46 @@ class _Pairs:
     rows: set  # row-parallel linears taking a split input
     starts: dict  # the column-parallel ones as their parents see them (a linear or its adapter) -> their partner
     ends: set  # the row-parallel partners as their parents see them
+    partner_of: dict = dataclasses.field(default_factory=dict)  # column linear -> its partner
+    rows_of: dict = dataclasses.field(default_factory=dict)  # partner -> its row-parallel linears
+
+
+@dataclasses.dataclass(eq=False)
+class PairGroup:
+    """A row-parallel partner (a linear or its adapter) and the column-parallel linears
+    feeding it: their activation stays split over the axis only while ``split`` (proven for
+    the current kind of call, ``PairProofs``); else the columns' output is gathered and the
+    rows' input sliced, as unpaired layers compute (exact)."""
+
+    name: str
+    tp_mesh: object
+    partner: nn.Module
+    columns: list  # nn.Linear
+    rows: list  # nn.Linear
+    starts: list  # what runs last of each column: the linear or its adapter
+    split: bool = False
+
+    def share_shapes(self) -> dict:
+        """{(module, parameter name): shape} of a process's share of the pairs' weights."""
+        n = self.tp_mesh.size()
+        out = {}
+        for c in self.columns:
+            out[c, "weight"] = (c.out_features // n, c.in_features)
+            if c.bias is not None:
+                out[c, "bias"] = (c.out_features // n,)
+        for r in self.rows:
+            out[r, "weight"] = (r.out_features, r.in_features // n)
+        return out
+
+
+def _groups(pairs: _Pairs, tree: _Tree, tp_mesh) -> list[PairGroup]:
+    groups = []
+    for partner in pairs.ends:
+        columns = [c for c, p in pairs.partner_of.items() if p is partner]
+        starts = list(dict.fromkeys(tree.adapter_of(c) for c in columns))
+        groups.append(PairGroup(tree.fqn.get(partner, type(partner).__name__), tp_mesh, partner, columns,
+                                pairs.rows_of[partner], starts))
+    return sorted(groups, key=lambda g: g.name)  # (every process the same order)
 
 
 def _pairs(styles: dict, tree: _Tree, n: int, axis_name: str) -> _Pairs:
@@ -278,6 +323,8 @@ def _pairs(styles: dict, tree: _Tree, n: int, axis_name: str) -> _Pairs:
         rows = [m for m in partner.modules() if styles.get(m) == ROW and tree.logical(m) is partner] \
             if partner is not owner else []
         pairs.rows.update(rows or [partner])
+        pairs.rows_of[partner] = rows or [partner]
+        pairs.partner_of[owner] = partner
         pairs.ends.add(partner)
         pairs.starts.setdefault(tree.adapter_of(owner), partner)
         _check_even(tree.fqn, owner, up, _linear(partner), n, axis_name)
@@ -396,18 +443,48 @@ def _split_stream_allowed() -> bool:
     return in_local_compute() or torch._C._current_graph_task_id() != -1
 
 
-def _enter_split(tp_mesh, partner: nn.Module):
+def _enter_split(tp_mesh, group: PairGroup):
     """A paired column-parallel linear's forward hook (the linear's, or its adapter's: PEFT's
     LoRA drops out the whole input of its ``lora_A`` after the base layer ran, and that mask
     must be the same on every process): random operations from its output on (dropout of
     attention weights or of the MLP's hidden features, each process's own heads or features
     of the same rows) draw from this process's split of the rows' stream, not the one every
     process along the axis shares (which would give every split the same mask)."""
-    index, device_type, key = tp_mesh.get_local_rank(), tp_mesh.device_type, id(partner)
+    index, device_type, key = tp_mesh.get_local_rank(), tp_mesh.device_type, id(group.partner)
 
     def hook(module, args, output):
-        if module.training and _split_stream_allowed():
+        if group.split and module.training and _split_stream_allowed():
             _rng.enter_split_stream(index, device_type, key)
+
+    return hook
+
+
+def _gather_unless_split(group: PairGroup):
+    """A column's forward hook (after PyTorch's style, which left this process's share of the
+    features): where the pair is not proven, its whole output, as an unpaired column gives it
+    (its gradient: this process's share of the output's)."""
+
+    def hook(module, args, output):
+        if group.split or not isinstance(output, torch.Tensor):
+            return None
+        d = output.dim() - 1
+        shared = DTensor.from_local(output, group.tp_mesh, [Shard(d)], run_check=False)
+        return shared.redistribute(group.tp_mesh, [Replicate()]).to_local()
+
+    return hook
+
+
+def _slice_unless_split(group: PairGroup):
+    """A row-parallel linear's forward pre-hook (before PyTorch's style, which takes this
+    process's share of the features): where the pair is not proven, its whole input sliced to
+    that share, as an unpaired row does (its gradient gathered whole)."""
+
+    def hook(module, args):
+        if group.split or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x = args[0]
+        whole = DTensor.from_local(x, group.tp_mesh, [Replicate()], run_check=False)
+        return (whole.redistribute(group.tp_mesh, [Shard(x.dim() - 1)]).to_local(), *args[1:])
 
     return hook
 

@@ -45,7 +45,7 @@ from torchspmd.engines.native.module_edges import BatchLayout, output_to_global,
 from torchspmd.engines.native.row_flow import MEAN
 from torchspmd.tree import map_tensors, walk_tensors
 
-__all__ = ["RowPaths", "call_kind", "whole_inputs", "outputs_from_whole"]
+__all__ = ["RowPaths", "call_kind", "kind_text", "outputs_from_whole", "traceable", "whole_inputs"]
 
 
 def call_kind(args: tuple, kwargs: dict) -> tuple:
@@ -70,11 +70,13 @@ def _lays_out(fn) -> bool:
 
 
 @contextlib.contextmanager
-def _traceable(model: nn.Module, param_dtype: torch.dtype | None):
+def traceable(model: nn.Module, param_dtype: torch.dtype | None, shapes: dict | None = None):
     """While the model is traced: the hooks and forwards that only lay values out set aside
     (FSDP2's gathering parameters, tensor parallelism's over 'model'), a forward
     ``torch.compile`` compiled traced as written, and each DTensor parameter stood in for by a tensor of its whole shape holding one
-    element (expanded), in the dtype the model computes in."""
+    element (expanded), in the dtype the model computes in. ``shapes`` ({(module, name):
+    shape}) gives some of them another shape (a process's share of a tensor-parallel pair's
+    weights, ``tensor_parallel``)."""
     saved_hooks = []
     for m in model.modules():
         for attr in ("_forward_pre_hooks", "_forward_hooks"):
@@ -98,13 +100,14 @@ def _traceable(model: nn.Module, param_dtype: torch.dtype | None):
     for m in model.modules():
         for name, p in list(m._parameters.items()):
             if isinstance(p, DTensor):
-                if id(p) not in standing:
+                shape = (shapes or {}).get((m, name), p.shape)
+                if (id(p), tuple(shape)) not in standing:
                     dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
-                    standing[id(p)] = nn.Parameter(torch.zeros((), dtype=dtype, device=p.device.type
-                                                               if p.device.type != "meta" else "cpu").expand(p.shape),
-                                                   requires_grad=p.requires_grad)
+                    standing[id(p), tuple(shape)] = nn.Parameter(
+                        torch.zeros((), dtype=dtype, device=p.device.type if p.device.type != "meta" else "cpu"
+                                    ).expand(shape), requires_grad=p.requires_grad)
                 swapped.append((m, name, p))
-                m._parameters[name] = standing[id(p)]
+                m._parameters[name] = standing[id(p), tuple(shape)]
     try:
         yield
     finally:
@@ -127,8 +130,9 @@ class RowPaths:
         self.decided: dict = {}
 
     def local(self, model: nn.Module, kind, args: tuple, kwargs: dict, layout: BatchLayout | None,
-              data_dims: list[int], param_dtype) -> bool:
-        """Whether this call computes on this process's rows (deciding the kind once)."""
+              data_dims: list[int], param_dtype, watch=None) -> bool:
+        """Whether this call computes on this process's rows (deciding the kind once). The
+        forward traced to decide is left on ``watch`` (``row_locality.trace_forward``)."""
         if self.per_process or layout is None:
             return True
         if kind not in self.decided:
@@ -137,9 +141,9 @@ class RowPaths:
                 why = "a process holds no rows of this batch"
             else:
                 try:
-                    with _traceable(model, param_dtype):
+                    with traceable(model, param_dtype):
                         proof = row_locality.batch_size_proof(model, args, kwargs, layout.local_rows,
-                                                              one_row=1 in sizes)
+                                                              one_row=1 in sizes, watch=watch)
                     why = proof.rows_apart(sizes, scalars=(MEAN,))
                 except Exception as e:  # noqa: BLE001 - not proven
                     why = f"its forward could not be analysed ({type(e).__name__}: {str(e)[:200]})"
@@ -157,12 +161,15 @@ class RowPaths:
 
     def describe(self) -> list[tuple[str, str | None]]:
         """(kind of call as text, None or why it computes on the global view), each kind decided."""
-        out = []
-        for ((shapes, grad), training), why in self.decided.items():
-            text = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in shapes)
-            mode = "training" if training else "eval"
-            out.append((f"inputs {text} ({mode}{'' if grad else ', no gradients'})", why))
-        return out
+        return [(kind_text(kind), why) for kind, why in self.decided.items()]
+
+
+def kind_text(kind) -> str:
+    """A kind of call (``call_kind`` and the training mode) as text."""
+    (shapes, grad), training = kind
+    text = ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in shapes)
+    mode = "training" if training else "eval"
+    return f"inputs {text} ({mode}{'' if grad else ', no gradients'})"
 
 
 def whole_inputs(args: tuple, kwargs: dict, layout: BatchLayout, data_dims: list[int]):
