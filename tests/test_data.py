@@ -205,6 +205,23 @@ def _minibatch():
     return [b.full_tensor() for b in dl]
 
 
+def _sized_by_addressable_devices():
+    """A program sizing its minibatch=True share by the devices it addresses (torch_xla's per-host
+    idiom: 2 rows per device), and the counts."""
+    rows = 2 * ts.addressable_runtime_device_count()
+    part = torch.randn(rows, 3)
+    dl = ts.MpDeviceLoader([part], ts.device(), input_sharding=ts.ShardingSpec(_mesh(), ("data", None), minibatch=True))
+    counts = (ts.addressable_runtime_device_count(), ts.addressable_device_count(), ts.local_device_count())
+    return counts, [tuple(b.shape) for b in dl]
+
+
+def test_a_share_sized_by_addressable_devices_is_one_devices(dist):
+    """One process per device: each addresses 1 device (not its host's 4), so the global batch is
+    2 rows per device, as on torch_xla."""
+    for counts, shapes in dist(4).run(_sized_by_addressable_devices):
+        assert counts == (1, 1, 4) and shapes == [(8, 3)], (counts, shapes)
+
+
 def test_minibatch_mode_assembles_global_batches(dist):
     res = dist(2).run(_minibatch)[0]
     torch.testing.assert_close(res[0], torch.cat([torch.full((2, 3), 0.0), torch.full((2, 3), 10.0)]))

@@ -148,8 +148,11 @@ def api(tmp_path_factory):
 
 
 def test_counts_and_devices_are_torch_xlas_spmd_view(api):
+    # (addressable: the one device each process drives, so that a minibatch share sized by it is one
+    # device's; real_devices: the host's)
     assert api["counts"] == dict(global_runtime=4, world_size=1, global_device_count=1, process_count=4,
-                                 device_type="CPU", is_spmd=True)
+                                 device_type="CPU", is_spmd=True, addressable_runtime=1, addressable=1,
+                                 real_devices=4)
     assert api["device"] == "cpu" and api["xla_device"] == ["cpu"] * 7
     assert api["meta_context"] == ["meta"] * 3
     assert api["autocast_dtype"] == "torch.bfloat16"
@@ -271,10 +274,13 @@ def test_sharded_tensors_are_xla_sharded_tensors(api):
 
 
 def test_init_process_group_after_use_spmd_reuses_the_group(api):
-    same, world, backend, mismatch = api["process_group"]
+    same, world, backend, mismatch, refused = api["process_group"]
     assert same and world == 4 and backend == "gloo"
     kind, _, _, text = mismatch
     assert kind == "SpmdError" and "world_size=5, the group has 4 processes" in text, text
+    # the 'xla' backend under SPMD: refused with torch_xla's message, as torch_xla's assert refuses it
+    kind, _, _, text = refused
+    assert kind == "SpmdError" and "XLA backend is not supported with SPMD" in text, text
 
 
 def _device_data(world: int) -> dict:

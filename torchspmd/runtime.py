@@ -156,11 +156,14 @@ def local_device_count() -> int:
 
 
 def addressable_runtime_device_count() -> int:
-    """Devices this process drives: one on the native engine, all of its host's on torch_xla."""
+    """Devices this process drives: one on the native engine (one process per device), all of
+    its host's on torch_xla. What a process loads with ``ShardingSpec(..., minibatch=True)`` is
+    its addressable devices' share of the global batch."""
     return engines.planned().addressable_runtime_device_count()
 
 
 def addressable_device_count() -> int:
+    """As ``addressable_runtime_device_count`` (1 on the native engine; torch_xla's own on its engine)."""
     return engines.planned().addressable_device_count()
 
 

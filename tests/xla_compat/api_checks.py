@@ -23,7 +23,9 @@ out = {}
 xr.use_spmd()
 n = xr.global_runtime_device_count()
 out["counts"] = dict(global_runtime=n, world_size=xr.world_size(), global_device_count=xr.global_device_count(),
-                     process_count=xr.process_count(), device_type=xr.device_type(), is_spmd=xr.is_spmd())
+                     process_count=xr.process_count(), device_type=xr.device_type(), is_spmd=xr.is_spmd(),
+                     addressable_runtime=xr.addressable_runtime_device_count(),
+                     addressable=xr.addressable_device_count(), real_devices=len(torch_xla.real_devices()))
 out["device"] = str(torch_xla.device())
 
 # The 'xla' device
@@ -268,10 +270,11 @@ if n == 4:
                            wrap_as_sharded_tensor(again) is again]]
 # the program's own init_process_group after use_spmd started the group: the same group
 before = dist.group.WORLD
-dist.init_process_group("xla", init_method="xla://")
+refused = error_of(lambda: dist.init_process_group("xla", init_method="xla://"))  # (torch_xla refuses it too)
 dist.init_process_group("gloo", init_method="xla://")
 out["process_group"] = [dist.group.WORLD is before, dist.get_world_size(), dist.get_backend(),
-                        error_of(lambda: dist.init_process_group("gloo", world_size=n + 1))]
+                        error_of(lambda: dist.init_process_group("gloo", world_size=n + 1)),
+                        refused]
 
 if xr.process_index() == 0:
     with open(sys.argv[1], "w") as f:

@@ -137,6 +137,9 @@ DIFFERENCES = {
     "torch_xla.runtime.local_process_count":
         "the processes on this host, one per device (torch_xla under SPMD: 1); as process_count()",
     "torch_xla.runtime.host_index": "this process's host, counted from its rank and the host's processes",
+    "torch_xla.runtime.addressable_runtime_device_count":
+        "1, the device this process drives (torch_xla under SPMD: the host's devices, its one process driving them "
+        "all): a minibatch=True share of the batch sized by it is one device's, so the global batch is the same",
     "torch_xla.runtime.use_spmd":
         "torchspmd.use_spmd(): with several configured devices and no launcher the program is started once per "
         "device; sets XLA_USE_SPMD=1 as torch_xla does; auto=True raises NotProvidedError (auto-sharding is the "

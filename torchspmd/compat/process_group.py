@@ -7,7 +7,10 @@ torch_xla registers the ``'xla'`` backend and the ``xla://`` init method when
 guide to distributed checkpoints), others ``init_process_group('xla', init_method='xla://')``.
 Under the layer, whether or not that module is imported:
 
-- the backend ``'xla'`` (and ``'gloo'``, ``'nccl'``, none) of the default group is the native
+- after ``use_spmd()``, the backend ``'xla'`` is refused with torch_xla's own message (an
+  ``SpmdError``, an ``AssertionError`` as torch_xla's ``assert``): torch_xla refuses its
+  ``'xla'`` group under SPMD;
+- before it, the backend ``'xla'`` (and ``'gloo'``, ``'nccl'``, none) of the default group is the native
   engine's: gloo on CPU; on CUDA NCCL for CUDA tensors and gloo for CPU ones
   (``'cpu:gloo,cuda:nccl'``), so that the program's CPU collectives (gloo, as it asked) and the
   engine's CUDA ones share the group. ``dist.get_backend()`` names them, not ``'xla'``;
@@ -64,6 +67,10 @@ def _reuse(backend: str, world_size: int, rank: int) -> None:
 def _wrap(init_process_group):
     def call(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, *args, **kwargs):
         asked = backend.lower() if isinstance(backend, str) else backend
+        if asked == "xla" and runtime.is_spmd():
+            # (torch_xla's own refusal: its 'xla' backend's collectives are per-device replicas)
+            raise SpmdError("init_process_group(backend='xla'): XLA backend is not supported with SPMD. Please use "
+                            "a CPU process group instead: init_process_group('gloo', init_method='xla://')")
         if asked in _MAPPED:
             backend = native_backend()
         if dist.is_initialized():

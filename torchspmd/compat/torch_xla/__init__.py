@@ -30,9 +30,10 @@ def devices() -> list[torch.device]:
 def real_devices() -> list[str]:
     """The devices of this host, as torch_xla names them under SPMD (``['CPU:0', 'CPU:1']``):
     ``xr.device_type()`` and an index, one per process torchspmd runs here."""
+    from torchspmd import runtime
     from torchspmd.compat.torch_xla import runtime as xr
 
-    return [f"{xr.device_type()}:{i}" for i in range(xr.addressable_runtime_device_count())]
+    return [f"{xr.device_type()}:{i}" for i in range(runtime.local_device_count())]
 
 
 def device_count() -> int:

@@ -56,8 +56,10 @@ def runtime_device_attributes(device) -> dict:
 
 
 def addressable_runtime_device_count() -> int:
-    """The host's devices (torch_xla: the devices the host's one process drives)."""
-    return _ts.local_device_count()
+    """The devices this process drives: 1 (torch_xla's one process per host drives the host's;
+    here each process is one device, and a program that sizes its ``minibatch=True`` share of
+    the batch by this count loads one device's share)."""
+    return _ts.addressable_runtime_device_count()
 
 
 def world_size() -> int:

@@ -147,10 +147,10 @@ class NativeEngine(Engine):
         return topology.world_size()
 
     def addressable_runtime_device_count(self) -> int:
-        return topology.local_size()
+        return 1  # (one process per device: the devices this process drives)
 
     def addressable_device_count(self) -> int:
-        return topology.local_size()
+        return 1
 
     def local_device_count(self) -> int:
         return topology.local_size()
