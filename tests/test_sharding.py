@@ -163,6 +163,26 @@ def test_clear_sharding_clears_a_parameter_in_place(dist):
         assert cleared == (True, True, False, True, None) and remarked == (None, "b")
 
 
+def _mark_again_on_another_mesh():
+    lin = torch.nn.Linear(3, 4)
+    ts.mark_sharding(lin.weight, Mesh(np.arange(4), (4,), ("x",)), ("x", None))
+    try:
+        ts.mark_sharding(lin.weight, Mesh(np.arange(4), (2, 2), ("a", "b")), (None, "b"))
+    except RuntimeError as e:  # (torch_xla's test_annotate_custom_sharding catches RuntimeError)
+        return type(e).__name__, isinstance(e, ts.SpmdError), isinstance(e, AssertionError), str(e), \
+            ts.get_sharding(lin.weight)
+    return None
+
+
+def test_marking_a_sharded_tensor_on_another_mesh_is_a_runtime_error_as_on_torch_xla(dist):
+    """torch_xla refuses to re-shard a sharded tensor (RuntimeError) until clear_sharding: the same
+    error on every process, a RuntimeError as well as an SpmdError, the first layout kept."""
+    for got in dist(4).run(_mark_again_on_another_mesh):
+        name, spmd, asserting, text, kept = got
+        assert (name, spmd, asserting, kept) == ("ShardingStateError", True, True, ("x", None)), got
+        assert "call clear_sharding(t) first" in text, text
+
+
 _WRITES = {  # label-masking idioms on a batch split over its rows
     "y[:, -1] = -100": lambda y: y.__setitem__((slice(None), -1), -100),
     "y[0] = -100": lambda y: y.__setitem__(0, -100),

@@ -41,6 +41,7 @@ def test_dtensor_api_on_an_xla_mesh(world, tmp_path):
         assert out["patched_linear"] == [True, True, True], out
         assert out["planners"] == [[["weight"], ["bias"]]] * 2, out
         assert out["moved_in_place"] == [True, [0, None], True, True], out
+        assert out["op_results_in_place"] == [True, "", "OnXlaDevice", True, True, "", "{replicated}"], out
         assert out["flash_attention"] == [True, True] and out["sent"] == [1, [0, None], True], out
 
 

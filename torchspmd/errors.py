@@ -10,6 +10,12 @@ class SpmdError(ValueError, AssertionError):
     """
 
 
+class ShardingStateError(SpmdError, RuntimeError):
+    """A call the tensor's sharding refuses where torch_xla raises ``RuntimeError`` (marking a
+    tensor sharded over another mesh, which torch_xla refuses until ``clear_sharding``): also a
+    ``RuntimeError``, so that code written for torch_xla catching it keeps working."""
+
+
 class PeerLost(RuntimeError):
     """Another process this one waited for has ended, or stopped answering: a consequence
     of that process's failure (its own error says why), as a collective's lost connection."""

@@ -206,6 +206,13 @@ def step() -> Iterator[None]:
     _STATE.step += 1
 
 
+def in_local_compute() -> bool:
+    """Inside a wrapped module's local compute (FSDPv2's units, ``replicate``): tensors there are
+    this process's shares of the global values."""
+    engine = engines.started()
+    return engine is not None and engine.in_local_compute()
+
+
 def current_step() -> int:
     """Number of ``step()`` blocks completed in this process."""
     return _STATE.step

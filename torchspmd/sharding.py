@@ -139,7 +139,8 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     and warns (not inside a wrapper's ``shard_output`` given ``t`` as part of the module's
     output: the wrapper returns the marked value in its place); parameters and buffers are replaced in their modules, as said above. A tensor
     whose object has DTensor's layout (under ``--xla-compat``, what the program put on
-    ``'xla'``) becomes the sharded tensor in place, as on torch_xla, and so does a DTensor
+    ``'xla'`` and what operations compute from it) becomes the sharded tensor in place, as on
+    torch_xla, and so does a DTensor
     marked again by a call whose result is dropped.
     """
     engine, spec, resolved = _checked("mark_sharding", t, mesh, partition_spec)

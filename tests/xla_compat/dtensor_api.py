@@ -125,6 +125,29 @@ out["moved_in_place"] = [isinstance(moved_in, DTensor), moved_in.partition_spec,
                          cpu_copy is None or type(cpu_copy).__name__ == "OnXlaDevice",
                          type(as_parameter) is nn.Parameter and as_parameter.is_leaf and as_parameter.requires_grad]
 
+# an op's results on the device are device tensors: annotated in place (torch_xla's
+# test_mark_sharding_ir_with_multiple_output), with autograd through them; a factory given the device
+# object xm.xla_device() returned makes one (test_shard_device_data_ir); after a sync an op's
+# unannotated result is device data, '{replicated}' (test_propagate_replicated_sharding)
+import torch_xla  # noqa: E402
+
+spec_of = torch_xla._XLAC._get_xla_sharding_spec
+on_device = torch.randn(8, 8).to("xla")
+values, indices = torch.max(on_device, 1)
+xs.mark_sharding(values, xs_mesh, (0,))
+leaf = torch.randn(8, 8, device=xm.xla_device()).requires_grad_()
+hidden = on_device @ leaf
+xs.mark_sharding(hidden, xs_mesh, (0, None))
+(hidden * hidden).sum().backward()
+pending = on_device @ on_device
+before_sync = [spec_of(indices), spec_of(pending)]
+torch_xla.sync()
+out["op_results_in_place"] = [isinstance(values, DTensor), before_sync[0], type(leaf).__name__,
+                              isinstance(hidden, DTensor),
+                              torch.allclose(leaf.grad, 2 * on_device.T @ (on_device @ leaf.detach()), rtol=1e-5,
+                                             atol=1e-5),
+                              before_sync[1], spec_of(pending)]
+
 # torch_xla's checkpoint planners: which entries of the state dict are split over devices
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner  # noqa: E402
 

@@ -30,6 +30,24 @@ def native() -> torch.device:
     return torch.device("cpu")
 
 
+_PROGRAM: dict[str, torch.device] = {}
+
+
+def program_device() -> torch.device:
+    """The native device as ``torch_xla.device()`` and ``xm.xla_device()`` give it to the program:
+    always the same object, of its own (equal to ``native()``), so that a factory given it
+    (``torch.randn(..., device=xm.xla_device())``) is told from torchspmd's own and PyTorch's
+    calls on the same device, and puts its result on ``'xla'``."""
+    d = native()
+    if str(d) not in _PROGRAM:
+        _PROGRAM[str(d)] = torch.device(str(d))
+    return _PROGRAM[str(d)]
+
+
+def is_program_device(d) -> bool:
+    return any(d is o for o in _PROGRAM.values())
+
+
 def is_xla(d) -> bool:
     if isinstance(d, str):
         return d == "xla" or d.startswith("xla:")
@@ -54,4 +72,4 @@ def _map(d):
 def install() -> None:
     """The ``'xla'`` device means this process's (``torchspmd.patches.torch.XLA_DEVICE``)."""
     torch_patches.map_device(is_xla, native, xla_tensors.placed, is_native,
-                             lambda t: type(t) is xla_tensors.OnXlaDevice)
+                             lambda t: type(t) is xla_tensors.OnXlaDevice, is_program_device)

@@ -164,11 +164,12 @@ DIFFERENCES = {
                                                       "operations as issued",
     "torch_xla.distributed.spmd.xla_sharding.mark_sharding":
         "returns a DTensor (which is an xs.XLAShardedTensor here) with the same attributes; a parameter or buffer "
-        "is annotated in place (every module slot holding it), and so is a tensor the program put on 'xla' (it "
-        "becomes the DTensor: torch.utils.swap_tensors); another tensor (made on the CPU and never moved, an "
-        "activation held for backward) is not, and a call that drops the result then warns: use the returned value. "
-        "Marking a sharded tensor again re-lays it out (torch_xla asks to clear the annotation first). On 'model' "
-        "the annotation means tensor parallelism",
+        "is annotated in place (every module slot holding it), and so is a tensor the program put on 'xla' or an "
+        "operation computed from one (it becomes the DTensor: torch.utils.swap_tensors); another tensor (made on "
+        "the CPU and never moved, one held for backward) is not, and a call that drops the result then warns: use "
+        "the returned value. Marking a sharded tensor again on its mesh re-lays it out (torch_xla asks to clear the "
+        "annotation first); on another mesh it raises ShardingStateError, a RuntimeError as torch_xla's. On "
+        "'model' the annotation means tensor parallelism",
     "torch_xla.distributed.spmd.xla_sharding.enable_manual_sharding":
         "returns this process's shard as a plain tensor (torch_xla: an XLAShardedTensor whose .global_tensor is "
         "that)",

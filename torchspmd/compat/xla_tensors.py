@@ -5,12 +5,16 @@ torch_xla annotates a tensor in place: after ``xs.mark_sharding(t, mesh, spec)``
 ``t`` is sharded, whether or not it keeps the result. On the native engine a sharded tensor is
 a DTensor, another Python object; ``torch.utils.swap_tensors`` can make the program's object
 the DTensor, but only between objects of the same layout, and a plain tensor's object lacks
-DTensor's slots. So a plain tensor put on ``'xla'`` (``.to('xla')``, ``device='xla'`` in a
-factory or ``Tensor.new_*``) is returned as an ``OnXlaDevice``: a ``torch.Tensor`` subclass with
-DTensor's slots and nothing else. It is a plain tensor in every operation (torch function
-dispatch is disabled for it, so operations return plain tensors); ``xs.mark_sharding`` swaps it
-with the sharded tensor. Parameters (``Module.to('xla')``) are not changed: annotated in place
-through their modules, as before.
+DTensor's slots. So a plain tensor put on ``'xla'`` (``.to('xla')``, ``device='xla'`` or the
+device object ``xm.xla_device()`` returned in a factory or ``Tensor.new_*``) is returned as an
+``OnXlaDevice``: a ``torch.Tensor`` subclass with DTensor's slots and nothing else. It computes
+as a plain tensor; the plain tensors an operation on it returns are ``OnXlaDevice`` too (device
+tensors, as torch_xla's op results are), so that ``xs.mark_sharding`` can shard an op's result
+in place as well: it swaps the object with the sharded tensor. That costs a Python call per
+operation on such tensors (``bench/xla_tensor_ops.py``), never on the native API's tensors, and
+results are left plain inside a wrapped module's local compute (FSDPv2's units: an activation
+there is a share, which ``mark_sharding`` returns as it is). Parameters (``Module.to('xla')``)
+are not changed: annotated in place through their modules, as before.
 """
 
 from __future__ import annotations
@@ -29,11 +33,23 @@ __all__ = ["OnXlaDevice", "placed", "shard_in_place", "clear_in_place", "mark_de
 _PLACED_AT = "_torchspmd_placed_at"
 
 
+#: torch functions whose results keep their identity (``.grad``, ``._base``): never re-wrapped
+_KEEP = torch.overrides.get_default_nowrap_functions()
+
+
 class OnXlaDevice(torch.Tensor):
-    """A plain tensor on this process's device, as the program put it on ``'xla'``."""
+    """A plain tensor on this process's device, as the program put it on ``'xla'``, or computed
+    from one."""
 
     __slots__ = tuple(getattr(DTensor, "__slots__", ()))
-    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func in _KEEP or runtime.in_local_compute():
+            return out
+        return _on_device(out)
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:  # (a copy is one too: a plain tensor's copy, as OnXlaDevice)
@@ -42,6 +58,24 @@ class OnXlaDevice(torch.Tensor):
 
     def __reduce_ex__(self, protocol):  # saved (torch.save, pickle) as the plain tensor it is
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def _pending(t: torch.Tensor) -> OnXlaDevice:
+    out = t.as_subclass(OnXlaDevice)  # (the same data and place in autograd)
+    setattr(out, _PLACED_AT, runtime.current_step())
+    return out
+
+
+def _on_device(out):
+    """An operation's result: its plain tensors as ``OnXlaDevice`` (pending computations)."""
+    if type(out) is torch.Tensor:
+        return _pending(out)
+    if isinstance(out, (tuple, list)) and any(type(o) is torch.Tensor for o in out):
+        items = [_pending(o) if type(o) is torch.Tensor else o for o in out]
+        if isinstance(out, list):
+            return items
+        return type(out)(*items) if hasattr(out, "_fields") and not hasattr(out, "n_fields") else type(out)(items)
+    return out
 
 
 def placed(source, result):

@@ -173,6 +173,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def mark_sharding(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor: ...
 
+    def in_local_compute(self) -> bool:
+        """Whether the caller runs inside a wrapped module's local compute (its tensors are this
+        process's shares, not global values)."""
+        return False
+
     def result_taken(self, marked: torch.Tensor) -> bool:
         """Whether ``mark_sharding``'s result ``marked`` is used by the engine itself though the
         program drops it (a wrapper's ``shard_output`` marking the module's output: the

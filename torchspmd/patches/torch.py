@@ -176,18 +176,23 @@ XLA_DEVICE = Patch(
 
 
 def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda source, t: t,
-               is_native: Callable = lambda d: False, was_placed: Callable = lambda t: False) -> None:
+               is_native: Callable = lambda d: False, was_placed: Callable = lambda t: False,
+               is_program_device: Callable = lambda d: False) -> None:
     """Calls given a device for which ``is_xla(d)`` holds get ``native()`` instead; their result
     is ``placed(source, result)`` (``source``: the tensor ``.to`` was called on, else None).
     ``Tensor.to`` given a device for which ``is_native(d)`` holds (the native device itself,
-    as ``xm.xla_device()`` names it) places its result too. ``nn.Parameter(t)`` of a tensor
-    for which ``was_placed(t)`` holds is the parameter of a plain tensor over its data."""
+    as ``xm.xla_device()`` names it) places its result too, and so does a factory given the
+    device object ``xm.xla_device()`` returned (``is_program_device(d)``: that object itself,
+    not any equal device). ``nn.Parameter(t)`` of a tensor for which ``was_placed(t)`` holds is
+    the parameter of a plain tensor over its data."""
     def wrap_device_kwarg(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             d = kwargs.get("device")
             if d is not None and is_xla(d):
                 kwargs["device"] = native()
+                return placed(None, fn(*args, **kwargs))
+            if d is not None and is_program_device(d):
                 return placed(None, fn(*args, **kwargs))
             return fn(*args, **kwargs)
 

@@ -20,7 +20,7 @@ os.environ.setdefault("PJRT_DEVICE", _device.native().type.upper())
 def device(index: int | None = None) -> torch.device:
     """This process's native device (``cuda:LOCAL_RANK`` or ``cpu``); ``index`` is ignored
     (under SPMD a program sees one device)."""
-    return _device.native()
+    return _device.program_device()
 
 
 def devices() -> list[torch.device]:

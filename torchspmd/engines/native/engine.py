@@ -209,6 +209,9 @@ class NativeEngine(Engine):
     def result_taken(self, marked):
         return module_edges.taken_by_wrapper(marked)
 
+    def in_local_compute(self):
+        return module_edges.in_local_compute()
+
     def mark_sharding_with_gradients(self, t, mesh, spec, resolved):
         return sharding.mark_sharding_with_gradients(t, mesh, resolved)
 

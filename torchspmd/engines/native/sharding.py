@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchspmd.blocks import block_of, contiguous_stride, tile_shape
 from torchspmd.engines.native import flat_tiling, module_edges, module_slots, replaced_parameters
 from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.errors import SpmdError
+from torchspmd.errors import ShardingStateError, SpmdError
 
 _MADE_BY_FSDP = ("mark_sharding: this parameter was made by FSDPv2 (its shard of a parameter); annotate the model's "
                  "parameters before wrapping it: ts.mark_sharding(model.layer.weight, mesh, spec), then "
@@ -64,8 +64,8 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
         if replaced_parameters.made_by_fsdp(t):
             raise SpmdError(_MADE_BY_FSDP)
         if flat_tiling.root_of(t.device_mesh) != device_mesh(mesh):
-            raise SpmdError("mark_sharding: the tensor is already sharded over another mesh; call clear_sharding(t) "
-                            "first")
+            raise ShardingStateError("mark_sharding: the tensor is already sharded over another mesh; call "
+                                     "clear_sharding(t) first")
         out = flat_tiling.relaid(t, dmesh, layout)
     elif t.requires_grad and not t.is_leaf:
         whole = DTensor.from_local(t, device_mesh(mesh), [Replicate()] * len(mesh.mesh_shape), run_check=False)

@@ -20,7 +20,7 @@ from torchspmd.errors import SpmdError
 
 def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
     """This process's native device."""
-    return _device.native()
+    return _device.program_device()
 
 
 def xla_device_hw(device) -> str:
