@@ -83,9 +83,6 @@ RULES: list[tuple[str, str, str, str, str | None]] = [
      "the load finds no checkpoint metadata in the directory this process made with tempfile.mkdtemp(): each "
      "process's is another directory, and only one process's holds what was saved (torch_xla's one process has "
      "one)", None),
-    ("difference", "failure", r"AssertionError: '' == ''|not found in ''$",
-     "mark_sharding in place: a tensor moved with .to(xm.xla_device()) (the native device, not 'xla' by name) "
-     "stays whole when the result is not used (docs/xla_compat.md: what is sharded in place)", None),
     ("difference", "test", r"\.(test_xla_real_devices|test_xla_replication_devices)$",
      "one process per device: this process's device is 'CPU:<rank>' (torch_xla: 'CPU:0', the host's first)",
      r"'CPU:[1-9]'\n'CPU:0'"),

@@ -126,6 +126,8 @@ def clear_in_place(t, whole):
     """``xs.clear_sharding(t)``: torch_xla drops the annotation of ``t`` itself. A sharded
     tensor (not a parameter: those are replaced in their modules) becomes ``whole``, its whole
     value as an ``OnXlaDevice``, in place; returns the tensor the program should hold."""
+    if type(whole) is OnXlaDevice:  # (computed from one)
+        whole = whole.as_subclass(torch.Tensor)
     if not isinstance(t, DTensor) or isinstance(t, torch.nn.Parameter) or type(whole) is not torch.Tensor:
         return whole
     plain = placed(None, whole)

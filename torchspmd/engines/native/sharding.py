@@ -68,10 +68,11 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
                                      "clear_sharding(t) first")
         out = flat_tiling.relaid(t, dmesh, layout)
     elif t.requires_grad and not t.is_leaf:
-        whole = DTensor.from_local(t, device_mesh(mesh), [Replicate()] * len(mesh.mesh_shape), run_check=False)
+        whole = DTensor.from_local(_plain(t), device_mesh(mesh), [Replicate()] * len(mesh.mesh_shape),
+                                   run_check=False)
         out = flat_tiling.relaid(whole, dmesh, layout)
     else:
-        out = flat_tiling.as_tiled(distribute_tensor(t.detach(), dmesh, list(layout)))
+        out = flat_tiling.as_tiled(distribute_tensor(_plain(t.detach()), dmesh, list(layout)))
         if t.requires_grad:
             out.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter):
@@ -87,6 +88,12 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
         # now holds the sharded tensor, so the result need not be assigned back.
         module_slots.replace(t, out)
     return out
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor (the same data and place in autograd): a subclass of a program's
+    (under --xla-compat, a tensor on 'xla') never becomes a DTensor's local tensor."""
+    return t if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) else t.as_subclass(torch.Tensor)
 
 
 def _like_param(mesh, layout, grad):
