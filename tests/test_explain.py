@@ -141,7 +141,8 @@ def test_gathered_whole_and_pattern1(dist):
     whole, error, layouts = same_on_every_rank(dist(4).run(_gathered_whole_and_pattern1))
     assert whole == ["scale.weight"]
     assert "'scale.weight'" in error and "gathered whole" in error
-    assert layouts == [("weight", ("model", None), 192, 384, "DTensor ops"),
+    assert layouts == [("weight", ("model", None), 192, 384,
+                        "tensor-parallel colwise over 'model' (no wrapper: Megatron's layouts)"),
                        ("bias", (None,), 24, 24, "whole on every process")]
 
 

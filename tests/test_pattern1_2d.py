@@ -13,6 +13,8 @@ linear, the embedding, the LM head (tied or not) and attention's packed projecti
 (13) and some widths do not divide by 2.
 """
 
+import math
+
 import _pattern1_models as P
 import numpy as np
 import pytest
@@ -45,6 +47,9 @@ def _mlp(layers, first, second):
 
 
 COL, ROW = ("model", None), (None, "model")
+# Cases whose MLPs are column- then row-parallel pairs (with either annotation style), the stream outside them
+# computed by modules with plain weights or under Megatron's layouts: they compute as tensor parallelism.
+MEGATRON = ("seed", "xla_2d", "attention_xla_2d", "uneven_rows", "tied")
 # name -> (model, annotations)
 CASES = {
     # The seed's decoder, its MLP annotated as torch_xla programs annotate it (column- then row-parallel).
@@ -93,6 +98,11 @@ def _spmd(cfg, specs):
     params = dict(model.named_parameters())
     for name, spec in specs.items():
         ts.mark_sharding(params[name], mesh, spec)
+    acts = []  # the MLP's intermediate activation of each layer: elements this process holds
+    for layer in model.layers:
+        layer.mlp[1].register_forward_hook(
+            lambda m, i, o: acts.append((o.to_local().numel(), tuple(o.placements)) if isinstance(o, DTensor)
+                                        else (o.numel(), None)))
     opt = P.optimizer(cfg, model)
     loader = ts.MpDeviceLoader(P.batches(cfg), ts.device(), input_sharding=ts.ShardingSpec(mesh, ("data", None)))
     losses, grads = [], []
@@ -108,7 +118,7 @@ def _spmd(cfg, specs):
     named = dict(model.named_parameters())
     return dict(losses=losses, grads=grads, params={k: _full(p).detach().clone() for k, p in named.items()},
                 local={k: (p.to_local() if isinstance(p, DTensor) else p).numel() for k, p in named.items()},
-                fallbacks=[str(f) for f in fallbacks])
+                fallbacks=[str(f) for f in fallbacks], acts=acts[:len(model.layers)])
 
 
 def _oracle(cfg):
@@ -131,6 +141,17 @@ def test_pattern1_on_a_2d_mesh_is_one_devices(dist, case):
         for k in want["params"]:
             torch.testing.assert_close(r["params"][k], want["params"][k], rtol=RTOL, atol=ATOL,
                                        msg=lambda m, k=k: f"parameter {k}: {m}")
+    if case in MEGATRON:
+        # Tensor parallelism: the MLP's intermediate activation of every layer is split over the rows on
+        # 'data' and over the features on 'model', each element held once (1/4 per process), and no
+        # redistribution was refused (none gathered whole and split again).
+        rows, seq, inter = cfg["rows"], cfg["seq"], cfg["inter"]
+        for layer in range(len(results[0]["acts"])):
+            held = [r["acts"][layer][0] for r in results]
+            assert all(r["acts"][layer][1] == (Shard(0), Shard(2)) for r in results), results[0]["acts"]
+            assert sum(held) == rows * seq * inter, (layer, held)
+            assert max(held) == math.ceil(rows / SHAPE[0]) * seq * math.ceil(inter / SHAPE[1]), (layer, held)
+        assert all(not r["fallbacks"] for r in results), results[0]["fallbacks"]
     # The annotations took effect: each annotated parameter is stored split (a share per process).
     for name, spec in specs.items():
         shape = want["params"][name].shape
@@ -154,7 +175,9 @@ MERGES = hasattr(dtensor_redistribute, "_optimize_transform_infos")
 
 
 def _explained_step():
-    cfg, specs = CASES["seed"]
+    # (MLPs annotated as pairs compute as Megatron's layouts, nothing refused; nn.MultiheadAttention's
+    # packed projection split by heads computes through DTensor's decomposition, which still meets refusals)
+    cfg, specs = CASES["vocab_and_attention"]
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(np.arange(n), SHAPE, ("data", "model"))
     model = P.build(cfg)
@@ -182,7 +205,7 @@ def _explained_step():
 @pytest.mark.skipif(not MERGES, reason="this torch does not merge per-axis gathers (nothing is refused)")
 def test_explain_lists_where_redistributions_were_regathered(dist):
     results = dist(4).run(_explained_step)
-    want = _oracle(CASES["seed"][0])
+    want = _oracle(CASES["vocab_and_attention"][0])
     for losses, rows, text, so_far in results:
         torch.testing.assert_close(losses[0], want["losses"][0], rtol=RTOL, atol=ATOL)
         assert rows, text
@@ -190,7 +213,7 @@ def test_explain_lists_where_redistributions_were_regathered(dist):
             assert "_StridedShard" in source and target == "(Replicate(), Replicate())", rows
             assert "_StridedShard redistribute assumes no flattened transforms" in error
             assert count >= 1
-        # the weight gradients' matrix products in backward, inside the MLPs that the annotations split
+        # the weight gradients' matrix products in backward, inside the attention the annotations split
         mm = [(phase, module) for op, phase, module, *_ in rows if op == "aten.mm.default"]
         assert mm and all(phase == "backward" for phase, _ in mm), rows
         assert all(module.startswith("DecoderModel.layers.") for _, module in mm), rows
@@ -268,6 +291,36 @@ def test_errors_that_are_not_layouts_still_raise(dist):
         assert got == [("NotImplementedError", "refused", 2, 0),
                        ("RuntimeError", "shape '[5, 5]' is invalid for input of size 8", 1, 0),
                        ("DistError", "peer gone", 1, 0)]
+
+
+def _pending_sum_to_masked_partial():
+    """A pending sum moved to an embedding's masked partial (what DTensor's backward asks of a gradient
+    reaching an embedding split over the vocabulary): DTensor refuses it, and the fallback must not
+    split it as if it were an index tensor (masking values by the vocabulary offsets: wrong numbers)."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    try:
+        from torch.distributed.tensor.placement_types import _MaskPartial
+    except ImportError:  # (where older torch keeps it)
+        from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
+
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), SHAPE, ("data", "model")).device_mesh
+    g = torch.Generator().manual_seed(3)
+    local = torch.randn(2, 6, 8, generator=g)
+    x = torch.distributed.tensor.DTensor.from_local(local, mesh, [Shard(0), Partial()], run_check=False)
+    target = DTensorSpec(mesh, (Shard(0), _MaskPartial(offset_shape=torch.Size([13, 8]), offset_dim=0)),
+                         tensor_meta=x._spec.tensor_meta)
+    try:  # as DTensor's backward calls it (the public redistribute refuses partial targets itself)
+        dtensor_redistribute.redistribute_local_tensor(x.to_local(), x._spec, target)
+    except AssertionError as e:
+        return "refused", str(e).splitlines()[0]
+    return "split", ""
+
+
+def test_a_pending_sum_is_never_split_as_a_masked_partial(dist):
+    for what, message in dist(4).run(_pending_sum_to_masked_partial):
+        assert what == "refused" and "partial type" in message, (what, message)
 
 
 def _installed_and_removed():

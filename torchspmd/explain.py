@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchspmd.engines.native import redistribution, shared_sums
+from torchspmd.engines.native import redistribution, shared_sums, unwrapped_tensor_parallel
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import get_global_mesh
 
@@ -242,6 +242,9 @@ def _layouts(model: nn.Module) -> tuple[list[ParamLayout], list[str]]:
                 gathered = True
                 whole.append(name)
                 parts.append(f"all-gathered before each {type(owner).__name__}.forward, outside FSDP")
+        unwrapped = unwrapped_tensor_parallel.laid_out(owner) if owner is not None and tp is None else None
+        if unwrapped is not None and attr in ("weight", "bias") and isinstance(p, DTensor):
+            parts.append(f"tensor-parallel {unwrapped} over 'model' (no wrapper: Megatron's layouts)")
         if not parts:
             if isinstance(p, DTensor):
                 parts.append("DTensor ops" if any(not pl.is_replicate() for pl in p.placements) else "replicated")

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -120,6 +120,15 @@ def _raised_by_dtensor(e: BaseException) -> bool:
         "raise ")
 
 
+def _special_partial(current: DTensorSpec, target: DTensorSpec) -> bool:
+    """Whether the target holds a pending value of a kind of DTensor's own (a subclass of
+    ``Partial``: an embedding's masked partial, which only an index tensor made from a whole
+    one means) where the source is not whole: the fallback's split could not know what such a
+    share holds, so DTensor's refusal stands."""
+    return any(isinstance(t, Partial) and type(t) is not Partial and not c.is_replicate()
+               for c, t in zip(current.placements, target.placements))
+
+
 def _replicated(spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=spec.tensor_meta)
 
@@ -143,7 +152,7 @@ def redistribute(original: Callable, local, current_spec: DTensorSpec, target_sp
     try:
         return original(local, current_spec, target_spec, *args, **kwargs)
     except _REFUSALS as e:
-        if not _refused(e) or current_spec.mesh != target_spec.mesh:
+        if not _refused(e) or current_spec.mesh != target_spec.mesh or _special_partial(current_spec, target_spec):
             raise
         refusal = e
     whole_spec = _replicated(current_spec)
