@@ -181,6 +181,10 @@ def test_sharding_strings_follow_xlas_text(api):
     want = [hlo.from_partition_spec(np.array(ids).reshape(shape), names, pspec)
             for shape, names, ids, _, pspec in cases.CASES]
     assert api["strings"] == want
+    # the sharding type of each, as XLA's OpSharding type reads from the text: replicated (0), tiled (3),
+    # tiled with the last dim's tiles replicated (5, torch_xla's PARTIAL); none for a plain tensor
+    assert api["plain_type"] is None
+    assert api["types"] == [0 if w == "{replicated}" else 5 if "last_tile_dim_replicate" in w else 3 for w in want]
 
 
 def test_mark_sharding_with_gradients_under_the_switch(api):

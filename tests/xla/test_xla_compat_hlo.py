@@ -38,6 +38,9 @@ def test_layer_text_equals_torch_xlas(ts, case):
     xs.mark_sharding(t, mesh, spec)
     theirs = torch_xla._XLAC._get_xla_sharding_spec(t)
     assert hlo.from_partition_spec(np.array(ids).reshape(shape), names, spec) == theirs
+    # its sharding type, read from the text as tests/test_xla_compat.py checks the layer's
+    want = 0 if theirs == "{replicated}" else 5 if "last_tile_dim_replicate" in theirs else 3
+    assert int(torch_xla._XLAC._get_xla_sharding_type(t)) == want
 
 
 def test_the_switch_says_it_shadows_an_installed_torch_xla_and_refuses_this_torch(tmp_path):

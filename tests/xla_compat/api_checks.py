@@ -80,12 +80,14 @@ import torch_xla._XLAC  # noqa: E402  (the import forms programs use)
 from torch_xla._XLAC import _get_xla_sharding_spec  # noqa: E402
 
 out["imported_spec"] = _get_xla_sharding_spec(plain)
-strings = []
+out["plain_type"] = torch_xla._XLAC._get_xla_sharding_type(plain)
+strings, types = [], []
 if n == 4:
     for shape, names, ids, tshape, spec in sharding_cases.CASES:
         mesh = xs.Mesh(np.array(ids), shape, names)
         t = xs.mark_sharding(torch.randn(*tshape), mesh, spec)
         strings.append(torch_xla._XLAC._get_xla_sharding_spec(t))
+        types.append(int(torch_xla._XLAC._get_xla_sharding_type(t)))
     mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     fsdp = FSDPv2(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4)), mesh)
     out["fsdp_param_specs"] = sorted({torch_xla._XLAC._get_xla_sharding_spec(p) for p in fsdp.parameters()})
@@ -93,6 +95,7 @@ if n == 4:
     xs.mark_sharding(owner.weight, xs.Mesh(np.arange(n), (2, 2), ("fsdp", "model")), ("model", None))
     out["in_place"] = torch_xla._XLAC._get_xla_sharding_spec(owner.weight)
 out["strings"] = strings
+out["types"] = types
 
 # xs.mark_sharding_with_gradients: a sharded copy whose gradient reaches the input
 leaf = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)).requires_grad_(True)

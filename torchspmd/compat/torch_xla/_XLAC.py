@@ -1,4 +1,5 @@
-"""``torch_xla._XLAC`` (torch_xla's C++ bindings) under ``--xla-compat``: ``_get_xla_sharding_spec``.
+"""``torch_xla._XLAC`` (torch_xla's C++ bindings) under ``--xla-compat``: ``_get_xla_sharding_spec`` and
+``_get_xla_sharding_type`` (what torch_xla's ``XLAShardedTensor.sharding_spec`` and ``.sharding_type`` read).
 Its other names are stand-ins that raise ``NotProvidedError`` when called: they reach into
 XLA's runtime, compiler and IR, which the native engine does not have."""
 
@@ -7,7 +8,8 @@ from __future__ import annotations
 from torchspmd import hlo, runtime
 from torchspmd.compat import xla_tensors
 from torchspmd.compat.stand_ins import not_provided
-from torchspmd.engines.native.sharded_view import sharding_string
+from torchspmd.engines.native.sharded_view import sharding_string, sharding_type
+from torchspmd.xla_shards import ShardingType
 
 
 def _get_xla_sharding_spec(t) -> str:
@@ -18,6 +20,14 @@ def _get_xla_sharding_spec(t) -> str:
     if runtime.is_spmd() and xla_tensors.is_device_data(t):
         return hlo.REPLICATED
     return sharding_string(t)
+
+
+def _get_xla_sharding_type(t) -> ShardingType | None:
+    """The ``ShardingType`` of ``t``'s layout, None for a tensor without sharding (as its text is
+    ``''``); unannotated device data is ``REPLICATED``, as its text is ``{replicated}``."""
+    if runtime.is_spmd() and xla_tensors.is_device_data(t):
+        return ShardingType.REPLICATED
+    return sharding_type(t)
 
 
 __getattr__ = not_provided("torch_xla._XLAC")

@@ -37,7 +37,7 @@ from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.xla_shards import ShardingType, XLAShard
 
-__all__ = ["install"]
+__all__ = ["install", "sharding_string", "sharding_type"]
 
 
 def _layout(t: DTensor):
@@ -62,6 +62,11 @@ def _sharding_type(t: DTensor) -> ShardingType:
     if any(grid.shape[a] > 1 for a in copies):
         return ShardingType.PARTIAL
     return ShardingType.TILED
+
+
+def sharding_type(t) -> ShardingType | None:
+    """torch_xla's ``ShardingType`` of ``t``'s layout; None for a tensor without one (not a DTensor)."""
+    return _sharding_type(t) if isinstance(t, DTensor) else None
 
 
 def _local_shard(t: DTensor) -> XLAShard:
