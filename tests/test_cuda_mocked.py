@@ -1,5 +1,5 @@
 """The CUDA path, structurally, on a machine without CUDA: ``torch.cuda`` is mocked
-(``is_available``, ``device_count``, ``set_device``) and ``init_process_group`` records its
+(``is_available``, ``device_count``, ``set_device``) and ``torch.accelerator`` finds it and ``init_process_group`` records its
 arguments, then makes a one-process gloo group so that the rest of ``use_spmd()`` runs (no
 NCCL is started). Each scenario runs in a fresh process (``_clean.run_clean``): the mocks,
 ``use_spmd()``'s module state (``torchspmd.runtime._STATE``) and its global view end with it.
@@ -24,6 +24,7 @@ def _mock_cuda(devices: int) -> list:
         real_init("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     torch.cuda.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
     torch.cuda.device_count = lambda: devices
     torch.cuda.set_device = lambda device: calls.append(("set_device", device))
     dist.init_process_group = init_process_group
@@ -127,3 +128,57 @@ def test_fsdpv2_keeps_fsdp2_collectives_on_nccl():
     assert out["cuda", "shm"].startswith("SpmdError: FSDPv2(collectives='shm'): shared-memory collectives need CPU")
     # the same group with the parameters on the CPU (gloo): the shared-memory collectives
     assert out["cpu", "auto"] == "shm" and out["cpu", "shm"] == "shm"
+
+
+def _privateuse1_rank(env: dict, pg_backend: str | None):
+    """``use_spmd()`` in a process torchrun started, on a machine whose accelerator is a PrivateUse1
+    device (named ``'tpu'``, as TorchTPU names its own) with 4 devices: its device module is a
+    stand-in registered the way such a backend registers its own (``torch._register_device_module``)."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    if pg_backend:
+        os.environ["TORCHSPMD_PG_BACKEND"] = pg_backend
+    calls: list = []
+    torch.utils.rename_privateuse1_backend("tpu")
+    module = types.ModuleType("fake_tpu")
+    module.is_available = lambda: True
+    module.device_count = lambda: 4
+    module.set_device = lambda i: calls.append(("set_device", i))
+    module.current_device = lambda: 1
+    torch._register_device_module("tpu", module)
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("tpu")
+    real_init = dist.init_process_group
+
+    def init_process_group(backend=None, **kwargs):
+        calls.append(("init_process_group", backend))
+        real_init("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    dist.init_process_group = init_process_group
+    import torchspmd as ts
+    from torchspmd import accelerators
+
+    try:
+        ts.use_spmd()
+    except ts.SpmdError as e:
+        return "SpmdError", str(e), calls
+    return (ts.backend(), str(ts.device()), accelerators.pg_spec("tpu")), None, calls
+
+
+def test_a_privateuse1_accelerator_is_found_and_its_process_group_backend_named():
+    """A device that is neither CPU nor CUDA needs no edit in the package: found through
+    torch.accelerator, its devices counted and set through its device module; its process-group
+    backend is c10d's for its type, else named ($TORCHSPMD_PG_BACKEND), else the error says how."""
+    env = dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")
+    got, error, calls = run_clean(_privateuse1_rank, env, "tpu_pg", allow_torchspmd=True)
+    assert error is None, error
+    assert got == ("tpu", "tpu:1", "cpu:gloo,tpu:tpu_pg")
+    assert calls == [("init_process_group", "cpu:gloo,tpu:tpu_pg"), ("set_device", 1)]
+    kind, error, calls = run_clean(_privateuse1_rank, env, None, allow_torchspmd=True)
+    assert kind == "SpmdError", (kind, error)
+    assert "no process-group backend is known for device type 'tpu'" in error and "TORCHSPMD_PG_BACKEND" in error
+    assert calls == []  # nothing started

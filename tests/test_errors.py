@@ -80,8 +80,9 @@ def _job_cases(tmp_path):
     }
     if not torch.cuda.is_available():
         cases["no cuda"] = (["--mesh.backend", "cuda"], {},
-                            "mesh.backend = 'cuda': no CUDA device is visible to PyTorch "
-                            "(torch.cuda.is_available() is False); set mesh.backend = 'cpu' or leave it empty")
+                            "mesh.backend = 'cuda': no cuda device is visible to PyTorch "
+                            "(torch.get_device_module('cuda').is_available() is False); set mesh.backend = 'cpu' or "
+                            "leave it empty")
     return cases
 
 
@@ -211,11 +212,12 @@ def test_use_spmd_errors():
                             "number of processes to run, or unset it")
     assert got["bogus env"].startswith("TORCHSPMD_BACKEND=bogus: unknown backend; choose one of cpu, cuda, xla")
     if "cuda env" in got:
-        assert got["cuda env"] == ("TORCHSPMD_BACKEND=cuda: no CUDA device is visible to PyTorch "
-                                   "(torch.cuda.is_available() is False); use TORCHSPMD_BACKEND=cpu")
+        assert got["cuda env"] == ("TORCHSPMD_BACKEND=cuda: no cuda device is visible to PyTorch "
+                                   "(torch.get_device_module('cuda').is_available() is False); use "
+                                   "TORCHSPMD_BACKEND=cpu")
     if "cuda" in got:
-        assert got["cuda"] == ("use_spmd(backend='cuda'): no CUDA device is visible to PyTorch "
-                               "(torch.cuda.is_available() is False); use backend='cpu'")
+        assert got["cuda"] == ("use_spmd(backend='cuda'): no cuda device is visible to PyTorch "
+                               "(torch.get_device_module('cuda').is_available() is False); use backend='cpu'")
 
 
 # -- load_full_state_dict on every rank -----------------------------------------------------------

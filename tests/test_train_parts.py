@@ -435,3 +435,14 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
         tdata.make_tokenizer(str(tmp_path / "dir"))
     t = _bpe(tmp_path / "llama3.json", texts, ["<|end_of_text|>", "<unk>"])  # Llama 3's name for it
     assert tdata.make_tokenizer(str(tmp_path / "llama3.json")).eos_id == t.token_to_id("<|end_of_text|>") == 0
+
+
+def test_the_accelerators_random_state_is_saved_under_its_device_type_and_old_checkpoints_read():
+    from torchspmd.train.loop import device_rng_of
+
+    state = torch.randint(0, 255, (16,), dtype=torch.uint8)
+    assert device_rng_of({"device_rng": ("xpu", state)}) == ("xpu", state)
+    assert device_rng_of({"device_rng": None}) is None
+    # a checkpoint written before the key was device-neutral: CUDA's state under "cuda_rng"
+    assert device_rng_of({"cuda_rng": state}) == ("cuda", state)
+    assert device_rng_of({"cuda_rng": None}) is None

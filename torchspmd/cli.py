@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from torchspmd import engines, patches, runtime
+from torchspmd import accelerators, engines, patches, runtime
 from torchspmd.engines.native import launcher
 from torchspmd.engines.native.failures import interrupted, record_error
 from torchspmd.engines.native.topology import all_ranks_output, parse_count
@@ -59,10 +59,8 @@ def cmd_run(argv: list[str]) -> int:
     if compat:
         rest.remove("--xla-compat")
     if nproc is None and not any(a.startswith("--nproc-per-node") or a.startswith("--nproc_per_node") for a in rest):
-        import torch
-
         # Under --xla-compat the program runs on the native engine whatever PJRT_DEVICE says.
-        backend = ("cuda" if torch.cuda.is_available() else "cpu") if compat else runtime.chosen_backend(None)
+        backend = accelerators.default_type() if compat else runtime.chosen_backend(None)
         nproc = runtime.planned_processes(backend) or 1
     if not any(not a.startswith("-") for a in rest):
         raise SpmdError("torchspmd run: name the script to run, e.g. `torchspmd run --nproc 2 train.py`")
@@ -130,7 +128,9 @@ def cmd_info(argv: list[str]) -> int:
     print(f"engine (default) {engine.name}, backend {backend}")
     for line in engine.describe(backend):
         print(line)
-    print(f"cuda available {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
+    accelerator = accelerators.current()
+    print(f"accelerator {accelerator or 'none'}"
+          + (f" ({accelerators.device_count(accelerator)} devices)" if accelerator else ""))
     print(f"torch_xla installed {engines.xla_installed()}")
     runtime.use_spmd(num_devices=1) if engine.capabilities.process_per_device else runtime.use_spmd()
     active = patches.active()

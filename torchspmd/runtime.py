@@ -61,12 +61,14 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     Args:
         auto: torch_xla's auto-sharding switch; on the torch_xla engine it is handed to
             torch_xla, on the native engine it is not supported (raises if True).
-        backend: ``"cuda"``, ``"cpu"`` or ``"xla"``; default: ``$TORCHSPMD_BACKEND``, else
-            xla when ``$PJRT_DEVICE`` is set and torch_xla is installed, else cuda when
-            available, else cpu.
+        backend: ``"cpu"``, ``"cuda"``, another device type PyTorch has a module for
+            (``"xpu"``, a PrivateUse1 device such as TorchTPU's ``"tpu"``), or ``"xla"``;
+            default: ``$TORCHSPMD_BACKEND``, else xla when ``$PJRT_DEVICE`` is set and
+            torch_xla is installed, else the accelerator PyTorch finds
+            (``torch.accelerator.current_accelerator()``), else cpu.
         num_devices: local devices (processes) to use when the script was started
             as plain ``python script.py``; default ``$TORCHSPMD_NUM_DEVICES``, else every
-            CUDA device, else ``$CPU_NUM_DEVICES`` on CPU, else 1. On the torch_xla engine
+            accelerator device, else ``$CPU_NUM_DEVICES`` on CPU, else 1. On the torch_xla engine
             one process drives every device PJRT shows (``CPU_NUM_DEVICES`` on CPU).
 
     With more than one device and no launcher, this call re-launches the script once
@@ -91,8 +93,8 @@ def is_spmd() -> bool:
 
 
 def backend() -> str:
-    """The backend ``use_spmd()`` chose: ``"cuda"`` (NCCL), ``"cpu"`` (gloo) or ``"xla"``
-    (torch_xla)."""
+    """The backend ``use_spmd()`` chose: ``"cpu"`` (gloo), an accelerator's device type
+    (``"cuda"``: NCCL; its own process-group backend) or ``"xla"`` (torch_xla)."""
     engines.current("torchspmd.backend()")
     assert _STATE.backend is not None
     return _STATE.backend
@@ -104,15 +106,15 @@ def capabilities() -> engines.Capabilities:
 
 
 def device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK``, ``cpu``, or torch_xla's device. Put
-    models and data here."""
+    """This process's device: ``<accelerator>:LOCAL_RANK`` (``cuda:1``), ``cpu``, or
+    torch_xla's device. Put models and data here."""
     engines.current("torchspmd.device()")
     assert _STATE.device is not None
     return _STATE.device
 
 
 def device_type() -> str:
-    """``"cuda"``, ``"cpu"`` or ``"xla"`` (the type of ``device()``)."""
+    """The type of ``device()``: ``"cpu"``, an accelerator's (``"cuda"``) or ``"xla"``."""
     return device().type
 
 
@@ -124,6 +126,12 @@ def launched() -> bool:
 def backends() -> tuple[str, ...]:
     """The backend names ``use_spmd(backend=...)`` accepts."""
     return engines.backends()
+
+
+def known_backend(name: str) -> bool:
+    """Whether some engine serves backend ``name`` (a listed name, or a device type PyTorch
+    has a module for)."""
+    return engines.serving(name.lower()) is not None
 
 
 def chosen_backend(requested: str | None = None) -> str:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from torchspmd import runtime
+from torchspmd import accelerators, runtime
 from torchspmd.compat import xla_tensors
 from torchspmd.patches import torch as torch_patches
 
@@ -25,9 +25,7 @@ from torchspmd.patches import torch as torch_patches
 def native() -> torch.device:
     if runtime.is_spmd():
         return runtime.device()
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return accelerators.device_of(accelerators.default_type(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 _PROGRAM: dict[str, torch.device] = {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from torchspmd import runtime
+from torchspmd import accelerators, runtime
 from torchspmd.errors import SpmdError
 from torchspmd.patches import torch as torch_patches
 
@@ -39,7 +39,7 @@ _MAPPED = {None, "xla", "gloo", "nccl", "cpu:gloo,cuda:nccl"}
 
 def native_backend() -> str:
     """The process-group backend the native engine starts (``use_spmd``) on this machine."""
-    return "cpu:gloo,cuda:nccl" if runtime.chosen_backend() == "cuda" else "gloo"
+    return accelerators.pg_spec(runtime.chosen_backend())
 
 
 def _device_backends(backend: str) -> dict[str, str]:

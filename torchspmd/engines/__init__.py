@@ -1,7 +1,8 @@
 """The engine registry: which engine a program runs on.
 
 Engines are peers behind one interface (``torchspmd.engines.base.Engine``): the native engine
-(PyTorch's DeviceMesh, DTensor, FSDP2, c10d; backends ``cpu`` and ``cuda``) and the torch_xla
+(PyTorch's DeviceMesh, DTensor, FSDP2, c10d; backends ``cpu``, ``cuda`` and any other
+accelerator PyTorch knows) and the torch_xla
 engine (backend ``xla``). ``use_spmd()`` chooses one (``choose``) and starts it (``start``);
 the public API then asks ``current()``.
 
@@ -58,11 +59,13 @@ def backends() -> tuple[str, ...]:
     return tuple(sorted(b for e in _ENGINES for b in e.backends))
 
 
-def _serving(backend: str) -> Engine:
+def serving(backend: str) -> Engine | None:
+    """The engine listing ``backend``, else the first that serves it (the native engine: any
+    device type PyTorch has a module for)."""
     for engine in _ENGINES:
         if backend in engine.backends:
             return engine
-    raise AssertionError(backend)
+    return next((e for e in _ENGINES if e.serves(backend)), None)
 
 
 def choose(requested: str | None = None) -> tuple[Engine, str]:
@@ -78,10 +81,11 @@ def choose(requested: str | None = None) -> tuple[Engine, str]:
         raise SpmdError("no engine can run here")  # (the native engine always can)
     name = name.lower()
     where = f"use_spmd(backend={name!r})" if requested else f"{ENV_BACKEND}={name}"
-    if name not in backends():
-        raise SpmdError(f"{where}: unknown backend; choose one of {', '.join(backends())} (or leave it unset to pick "
-                        f"cuda when available, else cpu)")
-    engine = _serving(name)
+    engine = serving(name)
+    if engine is None:
+        raise SpmdError(f"{where}: unknown backend; choose one of {', '.join(backends())}, or a device type PyTorch "
+                        f"has a module for (torch.get_device_module), or leave it unset to pick the accelerator "
+                        f"PyTorch finds, else cpu")
     if engine.name in _EXCLUDED:
         raise SpmdError(f"{where}: {_EXCLUDED[engine.name]}")
     why = engine.usable(name, where, explicit=bool(requested))

@@ -62,9 +62,15 @@ class Engine(abc.ABC):
 
     #: short name: ``"native"``, ``"xla"``
     name: str
-    #: the backend names ``use_spmd(backend=...)`` accepts for it
+    #: the backend names ``use_spmd(backend=...)`` accepts for it (named in messages; ``serves``
+    #: may accept more)
     backends: tuple[str, ...]
     capabilities: Capabilities
+
+    def serves(self, backend: str) -> bool:
+        """Whether ``use_spmd(backend=backend)`` is this engine's (a name no engine lists
+        exactly)."""
+        return backend in self.backends
 
     # -- choice and start --------------------------------------------------------------------
     @abc.abstractmethod

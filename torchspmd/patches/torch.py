@@ -216,7 +216,7 @@ def map_device(is_xla: Callable, native: Callable, placed: Callable = lambda sou
         return to
 
     class Autocast(torch.amp.autocast):
-        def __init__(self, device_type="cuda", *args, **kwargs):
+        def __init__(self, device_type, *args, **kwargs):  # (torch.autocast's own signature)
             if is_xla(device_type):
                 device_type = native().type
             super().__init__(device_type, *args, **kwargs)

@@ -81,8 +81,8 @@ class MeshConfig:
     data: int = _f(1, "replicas over an extra 'data' axis (hybrid sharding); the rest is 'fsdp'")
     model: int = _f(1, "size of the 'model' axis: tensor parallelism over it (a transformers model's own "
                        "tensor-parallel plan; the seed decoder's MLP, embedding and LM head); the rest is 'fsdp'")
-    backend: str = _f("", "'cuda', 'cpu' or 'xla'; empty: xla when PJRT_DEVICE is set and torch_xla is "
-                          "installed, else cuda when available, else cpu")
+    backend: str = _f("", "'cpu', 'cuda' (or another accelerator's device type) or 'xla'; empty: xla when "
+                          "PJRT_DEVICE is set and torch_xla is installed, else the accelerator PyTorch finds, else cpu")
     pipeline: int = _f(1, "size of the 'pipeline' axis: the model cut into that many stages between decoder "
                           "layers (torchspmd.pipeline), FSDPv2 over 'fsdp' inside each; 1 for none")
 
@@ -514,27 +514,28 @@ def _check_backend(cfg: TrainConfig) -> str:
     """The backend the job will use; a ``mesh.backend`` this machine cannot run is an error
     naming the setting."""
 
-    b = cfg.mesh.backend.lower()
-    if b and b not in runtime.backends():
-        raise SpmdError(f"mesh.backend = {cfg.mesh.backend!r}: unknown backend; choose one of "
-                        f"{', '.join(repr(x) for x in runtime.backends())}, or leave it empty to pick one")
-    if b == "cuda":
-        import torch
+    from torchspmd import accelerators
 
-        if not torch.cuda.is_available():
-            raise SpmdError("mesh.backend = 'cuda': no CUDA device is visible to PyTorch "
-                            "(torch.cuda.is_available() is False); set mesh.backend = 'cpu' or leave it empty")
+    b = cfg.mesh.backend.lower()
+    if b and not runtime.known_backend(b):
+        raise SpmdError(f"mesh.backend = {cfg.mesh.backend!r}: unknown backend; choose one of "
+                        f"{', '.join(repr(x) for x in runtime.backends())}, a device type PyTorch has a module for, "
+                        f"or leave it empty to pick one")
+    # (a device type PyTorch has a module for; torch_xla's device has none: its engine checks it)
+    if b and accelerators.device_module(b) is not None and not accelerators.is_available(b):
+        raise SpmdError(f"mesh.backend = {b!r}: no {b} device is visible to PyTorch "
+                        f"(torch.get_device_module({b!r}).is_available() is False); set mesh.backend = 'cpu' or "
+                        f"leave it empty")
     return runtime.chosen_backend(b or None)
 
 
 def device_count(cfg: TrainConfig) -> int | None:
     """The devices the job asks ``use_spmd`` for: ``mesh.devices``, else 2 CPU processes
     unless the environment says (``$TORCHSPMD_NUM_DEVICES``, ``$CPU_NUM_DEVICES``), the
-    backend is CUDA (every GPU) or the engine counts its own (torch_xla)."""
+    backend is an accelerator (every device) or the engine counts its own (torch_xla)."""
     import os
 
-    import torch
-
+    from torchspmd import accelerators
 
     if cfg.mesh.devices:
         return cfg.mesh.devices
@@ -542,8 +543,8 @@ def device_count(cfg: TrainConfig) -> int | None:
         return None
     if os.environ.get(runtime.ENV_NUM_DEVICES) or os.environ.get(runtime.XLA_CPU_NUM_DEVICES):
         return None
-    backend = cfg.mesh.backend or ("cuda" if torch.cuda.is_available() else "cpu")
-    return None if backend == "cuda" else 2
+    backend = cfg.mesh.backend or accelerators.default_type()
+    return None if backend != accelerators.CPU else 2
 
 
 def planned_devices(cfg: TrainConfig) -> int | None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from torchspmd import accelerators
 from torchspmd import checkpoint as ckpt
 from torchspmd import faults, runtime
 from torchspmd.checkpoint_files import barrier
@@ -51,9 +52,9 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 
 def _peak_flops() -> float | None:
-    if not torch.cuda.is_available():
+    name = accelerators.device_name(runtime.device())
+    if name is None:
         return None
-    name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
@@ -211,11 +212,13 @@ def _materialize(model, kind: str, seed: int, rank: int) -> None:
 
 
 def _device_memory() -> tuple[float, str] | None:
-    """Bytes of memory one device has, and what they are: a CUDA device's total, a CPU
-    process's share of the host's physical memory; None on XLA (unknown here)."""
-    if runtime.backend() == "cuda":
-        return float(torch.cuda.get_device_properties(runtime.device()).total_memory), "this GPU's memory"
-    if runtime.backend() == "cpu":
+    """Bytes of memory one device has, and what they are: an accelerator's total (where its
+    device module reports it), a CPU process's share of the host's physical memory; None on
+    XLA (unknown here)."""
+    total = accelerators.total_memory(runtime.device())  # (None on the CPU, and for torch_xla's device)
+    if total is not None:
+        return float(total), f"this {runtime.device_type()} device's memory"
+    if runtime.device_type() == accelerators.CPU:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return total / local, f"this host's memory shared by {local} process{'es' if local > 1 else ''}"
@@ -421,8 +424,9 @@ def run(cfg: TrainConfig, explain: bool = False) -> dict:
     train_iter, eval_batches = _loaders(job, train_ds, eval_ds, explain)
     if job.resumed is not None:  # after the train iterator, which drew its seed from the generator, as when saved
         torch.set_rng_state(job.resumed["rng"])
-        if job.resumed.get("cuda_rng") is not None and runtime.backend() == "cuda":
-            torch.cuda.set_rng_state(job.resumed["cuda_rng"])
+        device_rng = device_rng_of(job.resumed)
+        if device_rng is not None and device_rng[0] == runtime.device_type():
+            accelerators.set_rng_state(device_rng[0], device_rng[1])
     if explain and job.runner is not None:
         return _explain_stages(job, train_iter)
     if explain:
@@ -694,9 +698,25 @@ def _stages_step(job: _Job, train_iter, nan_steps: set[int]) -> tuple[float, flo
     return loss_sum, grad_norm, _update(job, loss_sum, grad_norm)
 
 
+def _device_rng() -> tuple[str, torch.Tensor] | None:
+    state = accelerators.rng_state(runtime.device_type())  # (None on the CPU, and for torch_xla's device)
+    return None if state is None else (runtime.device_type(), state)
+
+
+def device_rng_of(resumed: dict) -> tuple[str, torch.Tensor] | None:
+    """The accelerator's random state a checkpoint holds: ``device_rng`` (type, state), or the
+    ``cuda_rng`` of checkpoints written before it."""
+    if resumed.get("device_rng") is not None:
+        return tuple(resumed["device_rng"])
+    if resumed.get("cuda_rng") is not None:
+        return "cuda", resumed["cuda_rng"]
+    return None
+
+
 def _save(job: _Job) -> None:
     state = {"step": job.step, "scheduler": job.sched.state_dict(), "rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state() if runtime.backend() == "cuda" else None,
+             # the accelerator's generator, under its device type (None on the CPU and XLA)
+             "device_rng": _device_rng(),
              "world_size": job.world, "sampler": {"consumed": job.step * job.cfg.optim.grad_accum}}
     ckpt.save(job.out / "checkpoints", job.step, job.model, job.opt, state, job.cfg.to_toml(),
               keep=job.cfg.checkpoint.keep)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from torchspmd import accelerators
 from torchspmd.compat import _device, _steps
 from torchspmd.compat.stand_ins import not_provided
 
@@ -50,8 +51,8 @@ def step():
 def sync(wait: bool = False, reset_scope: bool = True) -> None:
     """End the step: the native engine has run every operation already; closures run."""
     _steps.end_step()
-    if wait and torch.cuda.is_available() and device().type == "cuda":
-        torch.cuda.synchronize()
+    if wait:
+        accelerators.synchronize(device())
 
 
 def compile(f=None, full_graph: bool = False, name: str | None = None, max_different_graphs: int | None = None):

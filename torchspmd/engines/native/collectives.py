@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from torchspmd import accelerators
 from torchspmd.engines.native import shared_memory
 from torchspmd.errors import SpmdError
 from torchspmd.patches import fsdp as fsdp_patches
@@ -556,7 +557,9 @@ def sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
 
 def backend_of(group: dist.ProcessGroup, device: torch.device) -> str:
     try:
-        return str(dist.get_backend(group)) if device.type != "cuda" else "nccl"
+        if device.type == accelerators.CPU:
+            return str(dist.get_backend(group))
+        return accelerators.pg_backend(device.type)  # (the device's own, as the group's spec names it)
     except Exception:
         return "unknown"
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from torchspmd import patches
+from torchspmd import accelerators, patches
 from torchspmd.engines.native import global_mode, gradient_sums, row_locality
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.module_edges import (
@@ -259,7 +259,7 @@ def _inputs(module: nn.Module, args: tuple, kwargs: dict):
     dmesh = first.device_mesh
     if len(data_dims) > 1 and dmesh.mesh_dim_names is None:
         return None, None
-    autocast = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    autocast = tuple(torch.is_autocast_enabled(d) for d in {accelerators.CPU, first.device.type})
     sig = (module.training, torch.is_grad_enabled(), autocast, len(args), tuple(sorted(kwargs)), tuple(parts))
     return sig, (dmesh, placements, data_dims, rows)
 

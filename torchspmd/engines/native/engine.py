@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from torchspmd import hlo, patches, sharding_table
+from torchspmd import accelerators, hlo, patches, sharding_table
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.engines.native import (
     activation_checkpointing,
@@ -65,7 +65,7 @@ PATCHES = (torch_patches.MODULE_SLOTS, torch_patches.GLOBAL_VIEW_MODE, torch_pat
 
 class NativeEngine(Engine):
     name = "native"
-    backends = ("cpu", "cuda")
+    backends = accelerators.NAMED
     capabilities = Capabilities(process_per_device=True, static_shapes=False, lazy_tensors=False, fused_optimizers=True,
                                 hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=False,
                                 shared_memory_collectives=True, pipeline_stages=True)
@@ -78,11 +78,16 @@ class NativeEngine(Engine):
     def default_backend(self) -> str:
         return topology.default_backend()
 
+    def serves(self, backend: str) -> bool:
+        # cpu, cuda, and any device type PyTorch has a module for (xpu, mps, a PrivateUse1 device)
+        return backend in self.backends or (backend not in ("meta", "xla")
+                                            and accelerators.device_module(backend) is not None)
+
     def usable(self, backend: str, where: str, explicit: bool) -> str | None:
-        if backend == "cuda" and not torch.cuda.is_available():
+        if not accelerators.is_available(backend):
             fix = "backend='cpu'" if explicit else "TORCHSPMD_BACKEND=cpu"
-            return (f"{where}: no CUDA device is visible to PyTorch (torch.cuda.is_available() is False); use "
-                    f"{fix}")
+            return (f"{where}: no {backend} device is visible to PyTorch "
+                    f"(torch.get_device_module({backend!r}).is_available() is False); use {fix}")
         return None
 
     def start(self, backend: str, *, auto: bool, num_devices: int | None) -> torch.device:
@@ -100,12 +105,9 @@ class NativeEngine(Engine):
         failures.record_failures()  # uncaught errors -> torchrun's error file, for the summary
         self._backend = backend
         topology.set_device_type(backend)
-        if backend == "cuda":
-            local = topology.local_rank()
-            torch.cuda.set_device(local)
-            device = torch.device("cuda", local)
-        else:
-            device = torch.device("cpu")
+        local = topology.local_rank()
+        accelerators.set_device(backend, local)
+        device = accelerators.device_of(backend, local)
         # One program: every process continues from rank 0's random state (docs/guide.md).
         rng.synchronize(backend)
         # every patch the engine applies, now or later mid-run, checked before any step
@@ -126,7 +128,7 @@ class NativeEngine(Engine):
     def _init_process_group(self, backend: str) -> None:
         if dist.is_initialized():
             return
-        pg_backend = "cpu:gloo,cuda:nccl" if backend == "cuda" else "gloo"
+        pg_backend = accelerators.pg_spec(backend)  # ('gloo'; 'cpu:gloo,cuda:nccl'; a device's own)
         if topology.launched():
             dist.init_process_group(pg_backend)
         else:
@@ -182,9 +184,8 @@ class NativeEngine(Engine):
         return failures.interrupted()
 
     def peak_memory_gb(self) -> float | None:
-        if self._backend == "cuda" and torch.cuda.is_available():
-            return torch.cuda.max_memory_allocated() / 2**30
-        return None
+        peak = accelerators.max_memory_allocated(topology.device()) if self._backend else None
+        return None if peak is None else peak / 2**30
 
     # -- steps ---------------------------------------------------------------------------------
     @contextlib.contextmanager

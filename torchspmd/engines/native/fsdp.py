@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchspmd import state_keys
+from torchspmd import accelerators, state_keys
 from torchspmd.engines.native import global_mode, pair_proofs, replicas, sharding, tensor_parallel, unit_rows
 from torchspmd.engines.native import replaced_parameters as _stale
 from torchspmd.engines.native.collectives import install as install_collectives
@@ -307,7 +307,7 @@ def _shard_unit(module: nn.Module, mesh, data_dims: list[int], fsdp_mesh, mixed_
     ignored = tensor_parallel.prepare(module, mesh, data_dims, managed, strict_sharding)
     if ignored:
         _gather_on_use(module, ignored, mesh, data_dims)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=accelerators.current() is not None) if cpu_offload else OffloadPolicy()
     extra = {}
     if any(hasattr(p, "_torchspmd_fsdp_dim") for p in module.parameters()):
         # a parameter split by heads on dim 0 (tensor_parallel.py) is split over 'fsdp' on dim 1

@@ -48,10 +48,10 @@ def _start_method(parsed) -> str:
         return method
     if not sys.platform.startswith("linux"):
         return "subprocess"
-    import torch
+    from torchspmd import accelerators
 
-    # A process that has initialised CUDA cannot be forked into CUDA workers.
-    return "subprocess" if torch.cuda.is_available() else "fork"
+    # A process that has initialised an accelerator (CUDA's runtime) cannot be forked into its workers.
+    return "subprocess" if accelerators.current() is not None else "fork"
 
 
 #: Libraries whose import a forked worker would repeat (1-3 s and 40-170 MB each per process):

@@ -514,8 +514,9 @@ class PipelineRunner:
         seeded program's alike run after run; the program's own random state is left as it
         was, the same on every process (one program)."""
         self._runs += 1
-        devices = [topology.device()] if topology.device_type() == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        device = topology.device()
+        devices = [device] if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(hash((self._seed, self._runs, self.position, self.fsdp_rank)) % 2**63)
             yield
 

@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from torchspmd import accelerators
+
 _CHUNK = 1 << 20  # bytes digested at a time (bounds the temporary memory: about 16 MB)
 _PRIME = 1_000_003
 
@@ -61,9 +63,11 @@ def agree(tensors: Sequence[torch.Tensor], group=None) -> list[int]:
         return []
     tensors = [t for t in tensors]
     device = tensors[0].device if tensors[0].device.type != "meta" else torch.device("cpu")
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    backend = str(dist.get_backend(group))
+    accelerator = accelerators.current()
+    if device.type == accelerators.CPU and accelerator is not None and "gloo" not in backend:
+        # a group of the accelerator's backend alone (no gloo for CPU tensors): the digests go on the device
+        device = accelerators.device_of(accelerator, accelerators.current_index(accelerator))
     values = torch.tensor([digest(t) for t in tensors], dtype=torch.int64)
     both = torch.cat([values, -values]).to(device)  # max and -min in one reduction
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

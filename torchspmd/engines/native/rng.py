@@ -30,36 +30,36 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchspmd import accelerators
+
 # Distinct shards get seeds a large odd step apart (the golden-ratio increment of
 # splitmix64), so that their streams are unrelated.
 _STEP = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
 
-def _cuda_device(device_type: str) -> int | None:
-    if device_type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.current_device()
-    return None
+def _accelerator_index(device_type: str) -> int | None:
+    """This process's device index of an accelerator's type (None for the CPU, or where absent)."""
+    return accelerators.current_index(device_type)
 
 
 def synchronize(device_type: str) -> None:
     """Give every process of the default group rank 0's random state (a collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    cuda = device_type == "cuda" and torch.cuda.is_available()
     state = [None]
     if dist.get_rank() == 0:
         state[0] = {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if cuda else None,
+            "device": accelerators.rng_state(device_type),  # the accelerator's generator (None on the CPU)
             "random": random.getstate(),
             "numpy": np.random.get_state(),
         }
     dist.broadcast_object_list(state, src=0)
     s = state[0]
     torch.set_rng_state(s["torch"])
-    if cuda and s["cuda"] is not None:
-        torch.cuda.set_rng_state(s["cuda"])  # this process's device (use_spmd set it)
+    if s["device"] is not None:
+        accelerators.set_rng_state(device_type, s["device"])  # this process's device (use_spmd set it)
     random.setstate(s["random"])
     np.random.set_state(s["numpy"])
 
@@ -75,11 +75,12 @@ def local_stream(index: int, device_type: str = "cpu") -> Iterator[None]:
     """Run the block with a random stream of its own for shard ``index`` (the same on the
     processes that hold the same shard), leaving the shared stream as one draw advanced it."""
     seed = shard_seed(index)
-    cuda = _cuda_device(device_type)
-    with torch.random.fork_rng(devices=[cuda] if cuda is not None else [], device_type="cuda"):
+    index = _accelerator_index(device_type)
+    with torch.random.fork_rng(devices=[index] if index is not None else [],
+                               device_type=device_type if index is not None else accelerators.CPU):
         torch.default_generator.manual_seed(seed)
-        if cuda is not None:
-            torch.cuda.manual_seed(seed)
+        if index is not None:
+            accelerators.manual_seed(device_type, seed)
         yield
 
 
@@ -106,12 +107,13 @@ def enter_split_stream(index: int, device_type: str = "cpu", key: object = None)
             return
         close_split_stream()
     seed = shard_seed(index)
-    cuda = _cuda_device(device_type)
-    _SPLIT.saved = (torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+    index = _accelerator_index(device_type)
+    _SPLIT.saved = (torch.get_rng_state(), device_type, index,
+                    accelerators.rng_state(device_type, index) if index is not None else None)
     _SPLIT.key = key
     torch.default_generator.manual_seed(seed)
-    if cuda is not None:
-        torch.cuda.manual_seed(seed)
+    if index is not None:
+        accelerators.manual_seed(device_type, seed)
 
 
 def exit_split_stream(key: object = None) -> None:
@@ -122,8 +124,8 @@ def exit_split_stream(key: object = None) -> None:
         return
     _SPLIT.saved = _SPLIT.key = None
     torch.set_rng_state(saved[0])
-    if saved[1] is not None:
-        torch.cuda.set_rng_state(saved[2], saved[1])
+    if saved[2] is not None:
+        accelerators.set_rng_state(saved[1], saved[3], saved[2])
 
 
 def close_split_stream() -> None:

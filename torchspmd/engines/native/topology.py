@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from torchspmd import accelerators
 from torchspmd.errors import SpmdError
 
 ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"  # local processes to use, any device type
@@ -48,15 +49,16 @@ def configured_processes(backend: str, num_devices: int | None = None) -> int:
         return num_devices
     if os.environ.get(ENV_NUM_DEVICES):
         return parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES)
-    if backend == "cuda":
-        return torch.cuda.device_count()
+    if backend != accelerators.CPU:
+        return accelerators.device_count(backend)
     if os.environ.get(XLA_CPU_NUM_DEVICES):
         return parse_count(os.environ[XLA_CPU_NUM_DEVICES], XLA_CPU_NUM_DEVICES)
     return 1
 
 
 def default_backend() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The accelerator PyTorch finds (its device type), else ``'cpu'``."""
+    return accelerators.default_type()
 
 
 def world_size() -> int:
@@ -92,12 +94,12 @@ def set_device_type(device_type: str) -> None:
 
 
 def device_type() -> str:
-    """``cpu`` or ``cuda``: the started engine's device type."""
+    """The started engine's device type (``'cpu'``, ``'cuda'``, another accelerator's)."""
     if _STATE["device_type"] is None:
         raise SpmdError("the native engine is not started: call torchspmd.use_spmd() first")
     return _STATE["device_type"]
 
 
 def device() -> torch.device:
-    """This process's device: ``cuda:<local rank>`` or ``cpu``."""
-    return torch.device("cuda", local_rank()) if device_type() == "cuda" else torch.device("cpu")
+    """This process's device: ``<accelerator>:<local rank>`` or ``cpu``."""
+    return accelerators.device_of(device_type(), local_rank())

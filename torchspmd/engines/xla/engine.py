@@ -58,7 +58,7 @@ def require(api: str = "use_spmd(backend='xla')") -> None:
     if not installed():
         raise SpmdError(
             f"{api}: torch_xla is not installed in this Python environment ({sys.executable}); install it with "
-            f"{INSTALL}, or use the native engine (backend='cpu' or 'cuda')"
+            f"{INSTALL}, or use the native engine (backend='cpu', 'cuda' or another accelerator's device type)"
         )
     try:
         for name in ("torch_xla", "torch_xla.runtime", "torch_xla.distributed.spmd"):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from torchspmd import accelerators
 from torchspmd.compat import _device, _steps
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.compat.torch_xla import runtime as _xr
@@ -96,8 +97,7 @@ def send_cpu_data_to_device(datas, device, input_sharding=None):
 
 
 def wait_device_ops(devices=()) -> None:
-    if _device.native().type == "cuda":
-        torch.cuda.synchronize()
+    accelerators.synchronize(_device.native())
 
 
 def get_ordinal(defval: int = 0) -> int:

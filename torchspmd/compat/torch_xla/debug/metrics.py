@@ -11,6 +11,7 @@ import resource
 
 import torch
 
+from torchspmd import accelerators
 from torchspmd import runtime as _rt
 from torchspmd.compat import _device
 from torchspmd.compat.stand_ins import not_provided
@@ -58,8 +59,9 @@ def metrics_report() -> str:
         f"Devices in the job: {_rt.global_runtime_device_count() if _rt.is_spmd() else 1}",
         f"Steps ended: {_rt.current_step()}",
     ]
-    if dev.type == "cuda":
-        lines.append(f"Peak device memory: {torch.cuda.max_memory_allocated(dev) / 2**20:.1f} MiB")
+    peak = accelerators.max_memory_allocated(dev)
+    if peak is not None:
+        lines.append(f"Peak device memory: {peak / 2**20:.1f} MiB")
     else:
         lines.append(f"Peak process memory (RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from torchspmd import accelerators
 from torchspmd.compat import _steps
 from torchspmd.compat.stand_ins import not_provided
 
@@ -32,8 +33,9 @@ def start_trace(log_dir, create_perfetto_link: bool = False, create_perfetto_tra
     if _PROFILE:
         raise RuntimeError("start_trace: a trace is already running; call stop_trace() first")
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    accelerator = accelerators.profiler_activity(accelerators.default_type())
+    if accelerator is not None:
+        activities.append(accelerator)
     prof = torch.profiler.profile(activities=activities,
                                   on_trace_ready=torch.profiler.tensorboard_trace_handler(os.fspath(log_dir)))
     prof.start()
