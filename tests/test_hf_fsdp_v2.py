@@ -52,6 +52,20 @@ def test_without_no_split_modules_the_repeated_blocks_are_found():
 def test_peft_model_is_unwrapped():
     model = peft.get_peft_model(_model("qwen2"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert fsdp_v2.find_layer_classes(model) == ["Qwen2DecoderLayer"]
+    # the tuner inside (a LoraModel: no get_base_model, its model under .model), recognised by type
+    base = model.get_base_model()
+    assert type(model.base_model).__name__ == "LoraModel" and fsdp_v2.unwrap_peft(model.base_model) is base
+    assert fsdp_v2.unwrap_peft(model) is base
+
+
+def test_a_class_named_like_a_peft_wrapper_is_not_unwrapped():
+    class LoraModel(nn.Module):  # the program's own class of that name: its .model is a part, not a base model
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(2, 2)
+
+    own = LoraModel()
+    assert fsdp_v2.unwrap_peft(own) is own
 
 
 def test_explicit_layer_cls_to_wrap():

@@ -48,8 +48,6 @@ class Capabilities:
     transformers_shards: bool
     #: the axes of a tuple entry of a partition spec must follow the mesh's order
     tuple_axes_in_mesh_order: bool
-    #: gathers and reductions through shared memory between processes of one host
-    shared_memory_collectives: bool
     #: a checkpoint is read into the device tensors in place: the optimizer's state is made
     #: first, and the model is not reloaded from the state dict after reading
     checkpoint_in_place: bool = False

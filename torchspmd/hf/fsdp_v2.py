@@ -16,6 +16,7 @@ repeated blocks in its largest ``nn.ModuleList``. PEFT (LoRA) models are unwrapp
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable
 
 import torch.nn as nn
@@ -58,13 +59,21 @@ def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1) -> dict[str, Any]:
     return config
 
 
+def _is_peft_wrapper(model: nn.Module) -> bool:
+    """Whether ``model`` is one of PEFT's wrappers (``PeftModel``, a tuner such as ``LoraModel``),
+    recognised by type. A program whose model is one has imported peft: nothing is imported here."""
+    peft, tuners = sys.modules.get("peft"), sys.modules.get("peft.tuners.tuners_utils")
+    kinds = tuple(c for c in (getattr(peft, "PeftModel", None), getattr(tuners, "BaseTuner", None)) if c is not None)
+    return bool(kinds) and isinstance(model, kinds)
+
+
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (``PeftModel``, ``LoraModel``)."""
     seen = 0
     while seen < 4:
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             inner = model.get_base_model()
-        elif type(model).__name__ in ("LoraModel", "PeftModel") and hasattr(model, "model"):
+        elif _is_peft_wrapper(model) and hasattr(model, "model"):
             inner = model.model
         else:
             return model

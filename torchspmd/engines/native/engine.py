@@ -68,7 +68,7 @@ class NativeEngine(Engine):
     backends = accelerators.NAMED
     capabilities = Capabilities(process_per_device=True, static_shapes=False, lazy_tensors=False, fused_optimizers=True,
                                 hub_kernels=True, transformers_shards=False, tuple_axes_in_mesh_order=False,
-                                shared_memory_collectives=True, pipeline_stages=True)
+                                pipeline_stages=True)
 
     def __init__(self):
         self._owns_process_group = False

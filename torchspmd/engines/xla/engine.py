@@ -236,7 +236,7 @@ class XlaEngine(Engine):
     backends = ("xla",)
     capabilities = Capabilities(process_per_device=False, static_shapes=True, lazy_tensors=True, fused_optimizers=False,
                                 hub_kernels=False, transformers_shards=True, tuple_axes_in_mesh_order=False,
-                                shared_memory_collectives=False, checkpoint_in_place=True)
+                                checkpoint_in_place=True)
 
     def __init__(self):
         self._warned_pjrt = False
