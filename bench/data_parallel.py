@@ -16,7 +16,9 @@ Same model, same global batch, same optimizer in every strategy:
 - ``pattern1-gloo-sums`` (only when asked for): Pattern 1 with the exact loss's two small
   sums through gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_SUMS=0``);
 - ``pattern1-gloo-grads`` (only when asked for): Pattern 1 with the gradients' sum through
-  gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_GRADIENTS=0``), as DDP sums.
+  gloo's all-reduce instead of shared memory (``TORCHSPMD_SHARED_GRADIENTS=0``), as DDP sums;
+- ``pattern1-accelerator`` (only when asked for): Pattern 1 on the code path a GPU or TPU
+  takes (``TORCHSPMD_ACCELERATOR_PATH=1``: every CPU-only shortcut off at once).
 
 Families (``--families``; ``FAMILIES`` below has their sizes): ``seed``, the seed document's
 decoder (torchspmd.models); ``mha``, a decoder of ``nn.MultiheadAttention`` (batch first),
@@ -160,6 +162,8 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         os.environ["TORCHSPMD_SHARED_SUMS"] = "0"
     if strategy == "pattern1-gloo-grads":
         os.environ["TORCHSPMD_SHARED_GRADIENTS"] = "0"
+    if strategy == "pattern1-accelerator":
+        os.environ["TORCHSPMD_ACCELERATOR_PATH"] = "1"
     import numpy as np
     import torch
 
@@ -189,7 +193,8 @@ def worker(family: str, strategy: str, steps: int, warmup: int, result: str) -> 
         write_result(result, strategy, _per_step(family), times)
 
 
-STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor", "pattern1-gloo-sums", "pattern1-gloo-grads"]
+STRATEGIES = ["single", "ddp", "replicate", "pattern1", "pattern1-dtensor", "pattern1-gloo-sums", "pattern1-gloo-grads",
+              "pattern1-accelerator"]
 
 
 def _round(args, configs: list, runs: dict, r: int) -> None:
@@ -207,7 +212,8 @@ NAMES = {"single": "one process", "ddp": "DDP", "replicate": "ts.replicate",
          "pattern1": "Pattern 1 as written (automatic path)",
          "pattern1-dtensor": "Pattern 1, automatic path off (DTensor)",
          "pattern1-gloo-sums": "Pattern 1, the loss's sums through gloo (TORCHSPMD_SHARED_SUMS=0)",
-         "pattern1-gloo-grads": "Pattern 1, the gradients' sum through gloo (TORCHSPMD_SHARED_GRADIENTS=0)"}
+         "pattern1-gloo-grads": "Pattern 1, the gradients' sum through gloo (TORCHSPMD_SHARED_GRADIENTS=0)",
+         "pattern1-accelerator": "Pattern 1, the accelerator path (TORCHSPMD_ACCELERATOR_PATH=1)"}
 
 
 def main() -> None:

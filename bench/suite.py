@@ -14,6 +14,9 @@ fused Adam, one FSDP unit per decoder layer; every process gets the malloc setti
 - ``fsdpv2-native``: torchspmd FSDPv2 with FSDP2's own collectives (what torchspmd's
   layer costs over the engine underneath);
 - ``fsdpv2-compile``: torchspmd FSDPv2 with ``compile=True``;
+- ``fsdpv2-accelerator`` (only when named in ``--strategies``): torchspmd FSDPv2 on the code
+  path a GPU or TPU takes (``TORCHSPMD_ACCELERATOR_PATH=1``: every CPU-only shortcut off,
+  FSDP2's own collectives, sums through gloo): what the shortcuts are worth on CPU;
 - ``fsdpv2-unbound`` (only when named in ``--strategies``): torchspmd FSDPv2 with its workers
   free to run on any core (``TORCHSPMD_BIND_CORES=0``; by default each runs on its own share);
 - ``fsdpv2-mp`` (only when named, and only with ``--dtype bf16``): torchspmd FSDPv2 with
@@ -96,6 +99,7 @@ XLA = ("xla", "xla-torchspmd")
 NAMES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2 fully_shard", "fsdpv2": "torchspmd FSDPv2",
          "fsdpv2-native": "torchspmd FSDPv2, FSDP2's collectives", "fsdpv2-compile": "torchspmd FSDPv2, compile",
          "fsdpv2-unbound": "torchspmd FSDPv2, workers not bound to cores",
+         "fsdpv2-accelerator": "torchspmd FSDPv2, the accelerator path (TORCHSPMD_ACCELERATOR_PATH=1)",
          "fsdpv2-mp": "torchspmd FSDPv2, mixed_precision='bf16'",
          "xla": "torch_xla FSDPv2 (one process)", "xla-torchspmd": "torchspmd FSDPv2 on the XLA backend (one process)"}
 TWO_D = ["2d-fsdpv2", "2d-tp-fsdp2"]
@@ -201,7 +205,7 @@ def worker(strategy: str, model_name: str, size: str, steps: int, warmup: int, r
         mesh = ts.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
         policy = functools.partial(ts.transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
         options = {"fsdpv2": {}, "fsdpv2-native": {"collectives": "native"}, "fsdpv2-compile": {"compile": True},
-                   "fsdpv2-unbound": {}, "fsdpv2-mp": {"mixed_precision": "bf16"}}
+                   "fsdpv2-unbound": {}, "fsdpv2-accelerator": {}, "fsdpv2-mp": {"mixed_precision": "bf16"}}
         model = ts.FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, **options[strategy])
         loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=BATCH), ts.device(),
                                    input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
@@ -494,7 +498,7 @@ def _torchspmd_xla_worker(model_name: str, size: str, steps: int, warmup: int, r
 
 def _run_xla(python: str, model: str, size: str, nproc: int, steps: int, warmup: int, result: Path,
              api: str = "xla", dtype: str = "fp32") -> dict | None:
-    from torchspmd.engines.native.host import allocator_env as _allocator_env
+    from torchspmd.launch.host import allocator_env as _allocator_env
 
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(nproc), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS=str(os.cpu_count() or 1))
@@ -673,7 +677,8 @@ def main() -> None:
                 row = _run_xla(xla, model, "seed", nproc, a.steps, a.warmup, tmp, strategy, a.dtype)
             else:
                 try:
-                    env = {"TORCHSPMD_BIND_CORES": "0"} if strategy == "fsdpv2-unbound" else {}
+                    env = {"fsdpv2-unbound": {"TORCHSPMD_BIND_CORES": "0"},
+                           "fsdpv2-accelerator": {"TORCHSPMD_ACCELERATOR_PATH": "1"}}.get(strategy, {})
                     row = run_worker(__file__, ["--worker", strategy, "--models", model, "--size", "seed", *common],
                                      nproc, tmp, env=env)
                 except subprocess.CalledProcessError as e:  # said in the results, not hidden, not fatal

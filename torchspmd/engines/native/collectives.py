@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from torchspmd import accelerators
-from torchspmd.engines.native import shared_memory
+from torchspmd.engines.native import cpu_shortcuts, shared_memory
 from torchspmd.errors import SpmdError
 from torchspmd.patches import fsdp as fsdp_patches
 
@@ -576,7 +576,7 @@ def choose(collectives: str, module, one_group: bool = True) -> str:
     pg = groups[0].mesh_info.shard_process_group
     device = groups[0].device
     gloo_cpu = "gloo" in backend_of(pg, device) and device.type == "cpu"
-    if collectives == "auto" and not gloo_cpu:
+    if collectives == "auto" and not (gloo_cpu and cpu_shortcuts.allowed()):
         return "native"
     on_one_machine = shared_memory.same_machine(pg)
     if collectives == "shm" and not (gloo_cpu and on_one_machine and one_group):

@@ -22,11 +22,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.data import DataLoader, IterableDataset
 
+from torchspmd import accelerators
 from torchspmd.blocks import block_of
 from torchspmd.blocks import chunk as _chunk
 from torchspmd.blocks import contiguous_stride as _contiguous_stride
 from torchspmd.engines.native import early_reductions as _early
-from torchspmd.engines.native import global_mode, sharding
+from torchspmd.engines.native import cpu_shortcuts, global_mode, sharding
 from torchspmd.engines.native.device_mesh import device_mesh
 from torchspmd.engines.native.sharding import coordinate
 from torchspmd.errors import SpmdError
@@ -200,8 +201,9 @@ def _local_loader(loader: DataLoader, batch_sampler) -> DataLoader:
 
 def background_thread(device: torch.device) -> bool:
     """Whether the loader makes its batches in a thread of its own for ``device``: for a
-    device other than the CPU (a copy to overlap)."""
-    return device.type != "cpu"
+    device other than the CPU (a copy to overlap), or on the CPU under
+    ``TORCHSPMD_ACCELERATOR_PATH=1`` (``cpu_shortcuts``)."""
+    return device.type != accelerators.CPU or not cpu_shortcuts.allowed()
 
 
 class MpDeviceLoader:

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import collectives, shared_memory, shared_sums
+from torchspmd.engines.native import collectives, cpu_shortcuts, shared_memory, shared_sums
 
 SWITCH = "TORCHSPMD_SHARED_GRADIENTS"  # "0": the group backend's all-reduce
 
@@ -115,7 +115,7 @@ def backend_sum(state, bucket):
 def register(ddp, group: dist.ProcessGroup, params: list[torch.Tensor]) -> str:
     """Give ``ddp`` (over ``group``) the hook that sums its buckets; return which:
     ``"shared memory"`` or ``"backend"``. Collective: every process decides alike."""
-    if group.size() > 1 and os.environ.get(SWITCH, "1") != "0" and all(p.device.type == "cpu" for p in params) \
+    if group.size() > 1 and os.environ.get(SWITCH, "1") != "0" and cpu_shortcuts.allowed() and all(p.device.type == "cpu" for p in params) \
             and "gloo" in collectives.backend_of(group, torch.device("cpu")) and shared_memory.same_machine(group):
         row = sum(_aligned(p.numel() * p.element_size()) for p in params)  # (a bucket at most this, all of them)
         row = max(1, -(-row // 2**20)) * 2**20

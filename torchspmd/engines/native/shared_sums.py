@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import global_mode, shared_memory
+from torchspmd.engines.native import cpu_shortcuts, global_mode, shared_memory
 from torchspmd.errors import PeerLost, SpmdError
 
 RING = 64
@@ -237,7 +237,7 @@ def through_backend():
 
 
 def _enabled() -> bool:
-    return (os.environ.get(SWITCH, "1") != "0" and not getattr(_THROUGH_BACKEND, "on", False)
+    return (os.environ.get(SWITCH, "1") != "0" and cpu_shortcuts.allowed() and not getattr(_THROUGH_BACKEND, "on", False)
             and shared_memory.ordered_stores())
 
 
