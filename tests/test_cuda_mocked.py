@@ -23,10 +23,10 @@ def _mock_cuda(devices: int) -> list:
         calls.append(("init_process_group", backend, sorted(kwargs)))
         real_init("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
-    torch.cuda.is_available = lambda: True
+    torch.cuda.is_available = torch.accelerator.is_available = lambda: True
     torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
-    torch.cuda.device_count = lambda: devices
-    torch.cuda.set_device = lambda device: calls.append(("set_device", device))
+    torch.cuda.device_count = torch.accelerator.device_count = lambda: devices
+    torch.cuda.set_device = torch.accelerator.set_device_index = lambda device: calls.append(("set_device", device))
     dist.init_process_group = init_process_group
     return calls
 
@@ -64,7 +64,7 @@ def _unlaunched(devices: int, env: dict):
     os.environ.update(env)
     calls = _mock_cuda(devices)
     import torchspmd as ts
-    from torchspmd.engines.native import launcher as _launch
+    from torchspmd.launch import launcher as _launch
 
     relaunched = []
 
@@ -133,7 +133,9 @@ def test_fsdpv2_keeps_fsdp2_collectives_on_nccl():
 def _privateuse1_rank(env: dict, pg_backend: str | None):
     """``use_spmd()`` in a process torchrun started, on a machine whose accelerator is a PrivateUse1
     device (named ``'tpu'``, as TorchTPU names its own) with 4 devices: its device module is a
-    stand-in registered the way such a backend registers its own (``torch._register_device_module``)."""
+    stand-in registered the way such a backend registers its own (``torch._register_device_module``),
+    whose counts and device setters refuse callers outside torch as TorchTPU's do on torch >= 2.11
+    (reached through ``torch.accelerator``, mocked here, instead)."""
     import types
 
     import torch
@@ -145,12 +147,22 @@ def _privateuse1_rank(env: dict, pg_backend: str | None):
     calls: list = []
     torch.utils.rename_privateuse1_backend("tpu")
     module = types.ModuleType("fake_tpu")
-    module.is_available = lambda: True
-    module.device_count = lambda: 4
-    module.set_device = lambda i: calls.append(("set_device", i))
-    module.current_device = lambda: 1
+
+    def internal(name):
+        def refuse(*args):
+            raise RuntimeError(f"{name} is internal to TorchTPU and can only be called by the PyTorch framework "
+                               f"(torch and torch_tpu). Use torch.accelerator.{name} instead.")
+        return refuse
+
+    for name in ("is_available", "device_count", "set_device", "current_device", "synchronize", "get_rng_state"):
+        setattr(module, name, internal(name))
+    module.default_generators = tuple(torch.Generator().manual_seed(i) for i in range(4))
     torch._register_device_module("tpu", module)
     torch.accelerator.current_accelerator = lambda check_available=False: torch.device("tpu")
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.device_count = lambda: 4
+    torch.accelerator.set_device_index = lambda i: calls.append(("set_device", i))
+    torch.accelerator.current_device_index = lambda: 1
     real_init = dist.init_process_group
 
     def init_process_group(backend=None, **kwargs):
@@ -165,7 +177,11 @@ def _privateuse1_rank(env: dict, pg_backend: str | None):
         ts.use_spmd()
     except ts.SpmdError as e:
         return "SpmdError", str(e), calls
-    return (ts.backend(), str(ts.device()), accelerators.pg_spec("tpu")), None, calls
+    state = accelerators.rng_state("tpu")  # the current device's generator, not the refused get_rng_state
+    accelerators.set_rng_state("tpu", module.default_generators[3].get_state(), 1)
+    rng = (torch.equal(state, torch.Generator().manual_seed(1).get_state()),
+           torch.equal(module.default_generators[1].get_state(), module.default_generators[3].get_state()))
+    return (ts.backend(), str(ts.device()), accelerators.pg_spec("tpu"), rng), None, calls
 
 
 def test_a_privateuse1_accelerator_is_found_and_its_process_group_backend_named():
@@ -176,7 +192,7 @@ def test_a_privateuse1_accelerator_is_found_and_its_process_group_backend_named(
                MASTER_PORT="1")
     got, error, calls = run_clean(_privateuse1_rank, env, "tpu_pg", allow_torchspmd=True)
     assert error is None, error
-    assert got == ("tpu", "tpu:1", "cpu:gloo,tpu:tpu_pg")
+    assert got == ("tpu", "tpu:1", "cpu:gloo,tpu:tpu_pg", (True, True))
     assert calls == [("init_process_group", "cpu:gloo,tpu:tpu_pg"), ("set_device", 1)]
     kind, error, calls = run_clean(_privateuse1_rank, env, None, allow_torchspmd=True)
     assert kind == "SpmdError", (kind, error)

@@ -5,6 +5,11 @@ Write the program for one device, annotate shardings on a named mesh, run it on 
 device. The public API lives here; see README.md and docs/.
 """
 
+from torchspmd import device_plugins
+
+device_plugins.check()  # before torch: a device plugin that would abort `import torch` is named instead
+
+
 from torchspmd.data import MpDeviceLoader, shard_batch
 from torchspmd.errors import SpmdError
 from torchspmd.explain import explain

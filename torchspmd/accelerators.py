@@ -25,7 +25,7 @@ from torchspmd.errors import SpmdError
 
 __all__ = ["CPU", "NAMED", "ENV_PG_BACKEND", "current", "default_type", "device_module", "is_available", "device_count",
            "set_device", "current_index", "pg_backend", "pg_spec", "rng_state", "set_rng_state", "manual_seed",
-           "synchronize", "max_memory_allocated", "total_memory", "device_name", "device_of", "profiler_activity"]
+           "synchronize", "max_memory_allocated", "legacy_rng", "total_memory", "device_name", "device_of", "profiler_activity"]
 
 CPU = "cpu"
 #: the device types named in messages (any other PyTorch has a module for is served as well)
@@ -61,28 +61,46 @@ def _call(device_type: str, name: str, *args, default=None):
     return default if fn is None else fn(*args)
 
 
+def _through_accelerator(device_type: str) -> bool:
+    """Whether ``device_type`` is the accelerator's: then counts, the current device and
+    synchronisation go through ``torch.accelerator``, not the device module (TorchTPU's module
+    refuses those calls from outside torch on torch >= 2.11 and points to ``torch.accelerator``)."""
+    found = torch.accelerator.current_accelerator()
+    return device_type != CPU and found is not None and found.type == device_type
+
+
 def is_available(device_type: str) -> bool:
     """Whether a device of ``device_type`` can be used in this process."""
     if device_type == CPU:
         return True
+    if _through_accelerator(device_type):
+        return bool(torch.accelerator.is_available())
     return bool(_call(device_type, "is_available", default=False))
 
 
 def device_count(device_type: str) -> int:
     if device_type == CPU:
         return 1
+    if _through_accelerator(device_type):
+        return int(torch.accelerator.device_count())
     return int(_call(device_type, "device_count", default=0) or 0)
 
 
 def set_device(device_type: str, index: int) -> None:
     """Make device ``index`` of ``device_type`` this process's current one (nothing for the CPU)."""
-    if device_type != CPU:
+    if device_type == CPU:
+        return
+    if _through_accelerator(device_type):
+        torch.accelerator.set_device_index(index)
+    else:
         _call(device_type, "set_device", index)
 
 
 def current_index(device_type: str) -> int | None:
     if device_type == CPU or not is_available(device_type):
         return None
+    if _through_accelerator(device_type):
+        return int(torch.accelerator.current_device_index())
     return _call(device_type, "current_device")
 
 
@@ -113,16 +131,34 @@ def pg_spec(device_type: str) -> str:
     return f"{CPU}:{pg_backend(CPU)},{device_type}:{pg_backend(device_type)}"
 
 
+def _generator(device_type: str, index: int | None):
+    """The device's default generator (of ``index``, else the current device) where its module
+    lists them (``default_generators``: read without the module's ``get_rng_state``, which
+    TorchTPU keeps to torch's own callers); None where it does not."""
+    generators = getattr(device_module(device_type), "default_generators", None)
+    if not generators:
+        return None
+    return generators[current_index(device_type) if index is None else index]
+
+
 def rng_state(device_type: str, index: int | None = None) -> torch.Tensor | None:
     """The device's random state (of ``index``, else the current device); None for the CPU (its
     generator is ``torch.get_rng_state()``) or where the device is not there."""
     if device_type == CPU or not is_available(device_type):
         return None
+    generator = _generator(device_type, index)
+    if generator is not None:
+        return generator.get_state()
     return _call(device_type, "get_rng_state", *(() if index is None else (index,)))
 
 
 def set_rng_state(device_type: str, state: torch.Tensor, index: int | None = None) -> None:
-    if device_type != CPU and is_available(device_type):
+    if device_type == CPU or not is_available(device_type):
+        return
+    generator = _generator(device_type, index)
+    if generator is not None:
+        generator.set_state(state)
+    else:
         _call(device_type, "set_rng_state", state, *(() if index is None else (index,)))
 
 
@@ -134,7 +170,11 @@ def manual_seed(device_type: str, seed: int) -> None:
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing on the CPU)."""
-    if device.type != CPU and is_available(device.type):
+    if device.type == CPU or not is_available(device.type):
+        return
+    if _through_accelerator(device.type):
+        torch.accelerator.synchronize(device)
+    else:
         _call(device.type, "synchronize", device)
 
 
@@ -142,6 +182,8 @@ def max_memory_allocated(device: torch.device) -> int | None:
     """Peak bytes allocated on ``device`` where its module counts them (None: not counted)."""
     if device.type == CPU or not is_available(device.type):
         return None
+    if _through_accelerator(device.type):
+        return int(torch.accelerator.max_memory_allocated(device))
     return _call(device.type, "max_memory_allocated", device)
 
 
@@ -163,6 +205,19 @@ def profiler_activity(device_type: str):
     if found is None and device_type == torch._C._get_privateuse1_backend_name():
         found = getattr(activity, "PrivateUse1", None)
     return found
+
+
+#: the keys under which checkpoints written before ``device_rng`` (type, state) held a device's random state
+_LEGACY_RNG_KEYS = {"cuda_rng": "cuda"}
+
+
+def legacy_rng(saved: dict) -> tuple[str, torch.Tensor] | None:
+    """The (device type, random state) a checkpoint written before the device-neutral
+    ``device_rng`` key held under its device-specific key; None where it holds none."""
+    for key, device_type in _LEGACY_RNG_KEYS.items():
+        if saved.get(key) is not None:
+            return device_type, saved[key]
+    return None
 
 
 def device_name(device: torch.device) -> str | None:

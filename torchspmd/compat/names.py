@@ -44,7 +44,7 @@ EQUIVALENTS = {
     "torch_xla.core.xla_model.fork_rng": "torch.random.fork_rng()",
     "torch_xla.core.xla_model.mesh_reduce": "plain tensor arithmetic on global values (the program sees one "
                                             "device)",
-    "torch_xla.core.xla_model.get_memory_info": "torch.cuda.mem_get_info() / torch.cuda.memory_stats()",
+    "torch_xla.core.xla_model.get_memory_info": "torch.accelerator.get_memory_info() / torch.accelerator.memory_stats()",
     "torch_xla.core.xla_model.send_cpu_data_to_device": "tensor.to(torch_xla.device())",
     "torch_xla.core.functions": "torch.distributed.nn.functional (differentiable collectives)",
     "torch_xla.distributed.spmd.shard_as": "xs.mark_sharding of both tensors with the same spec",
@@ -125,8 +125,8 @@ DIFFERENCES = {
     "torch_xla.runtime.local_ordinal": "this process's rank on its host (torch_xla under SPMD: 0)",
     "torch_xla.core.xla_model.get_local_ordinal": "as xr.local_ordinal(): this process's rank on its host "
                                                   "(torch_xla under SPMD: 0)",
-    "torch_xla.core.xla_model.is_xla_tensor": "True for a tensor on this process's device (its .device is cpu or "
-                                              "cuda, never 'xla')",
+    "torch_xla.core.xla_model.is_xla_tensor": "True for a tensor on this process's device (its .device is the CPU "
+                                              "or the accelerator's, never 'xla')",
     "torch_xla.runtime.process_index":
         "this process's rank (torch_xla under SPMD: its host's index): a file written under `if "
         "xr.process_index() == 0` is written once",
@@ -159,7 +159,7 @@ DIFFERENCES = {
     "torch_xla.core.xla_model.save":
         "whole CPU copies (sharded tensors gathered: every process calls it), written by rank 0 unless "
         "master_only=False",
-    "torch_xla.core.xla_model.wait_device_ops": "torch.cuda.synchronize() on CUDA; nothing on CPU",
+    "torch_xla.core.xla_model.wait_device_ops": "torch.accelerator.synchronize() on an accelerator; nothing on CPU",
     "torch_xla.core.xla_model.optimization_barrier_": "nothing: a barrier to XLA's fusion; the native engine runs "
                                                       "operations as issued",
     "torch_xla.distributed.spmd.xla_sharding.mark_sharding":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from torchspmd import device_plugins
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.engines.native.engine import NativeEngine
 from torchspmd.engines.xla.engine import XlaEngine, installed
@@ -83,9 +84,17 @@ def choose(requested: str | None = None) -> tuple[Engine, str]:
     where = f"use_spmd(backend={name!r})" if requested else f"{ENV_BACKEND}={name}"
     engine = serving(name)
     if engine is None:
+        plugins = device_plugins.installed()
+        found = ""
+        if plugins and os.environ.get(device_plugins.AUTOLOAD, "1") == "0":
+            found = f"; the device plugins installed ({'; '.join(plugins)}) are not loaded ({device_plugins.AUTOLOAD}=0)"
+        elif plugins:
+            found = (f"; the device plugins installed ({'; '.join(plugins)}) registered no {name!r} device (a plugin "
+                     f"may register its device only where it finds the hardware: torch-tpu only on a machine with a "
+                     f"TPU chip)")
         raise SpmdError(f"{where}: unknown backend; choose one of {', '.join(backends())}, or a device type PyTorch "
                         f"has a module for (torch.get_device_module), or leave it unset to pick the accelerator "
-                        f"PyTorch finds, else cpu")
+                        f"PyTorch finds, else cpu{found}")
     if engine.name in _EXCLUDED:
         raise SpmdError(f"{where}: {_EXCLUDED[engine.name]}")
     why = engine.usable(name, where, explicit=bool(requested))

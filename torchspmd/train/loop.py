@@ -705,12 +705,10 @@ def _device_rng() -> tuple[str, torch.Tensor] | None:
 
 def device_rng_of(resumed: dict) -> tuple[str, torch.Tensor] | None:
     """The accelerator's random state a checkpoint holds: ``device_rng`` (type, state), or the
-    ``cuda_rng`` of checkpoints written before it."""
+    device-specific key of checkpoints written before it (``accelerators.legacy_rng``)."""
     if resumed.get("device_rng") is not None:
         return tuple(resumed["device_rng"])
-    if resumed.get("cuda_rng") is not None:
-        return "cuda", resumed["cuda_rng"]
-    return None
+    return accelerators.legacy_rng(resumed)
 
 
 def _save(job: _Job) -> None:
