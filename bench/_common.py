@@ -222,7 +222,7 @@ def run_worker(script: str, args: list[str], nproc: int, result: Path, env: dict
     (``PeakMemory``; the launcher included). Every run gets the malloc settings
     ``torchspmd run`` gives its workers (one process too, so that every strategy runs on
     the same allocator). ``env``: variables to add for this run."""
-    from torchspmd.engines.native.host import allocator_env as _allocator_env
+    from torchspmd.launch.host import allocator_env as _allocator_env
 
     cores = os.cpu_count() or 1
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // nproc)), **(env or {}))

@@ -40,7 +40,7 @@ from _common import run_measured  # noqa: E402
 
 RESULTS = HERE / "results"
 SETTINGS = {
-    "tuned": {},  # the launcher's own (torchspmd.engines.native.launcher.MALLOC_ENV)
+    "tuned": {},  # the launcher's own (torchspmd.launch.launcher.MALLOC_ENV)
     "mmap-4MiB": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40),
                   "MALLOC_TOP_PAD_": str(256 * 2**20)},
     # the gathered parameters copied into each process's memory, as FSDP2 does (the launcher's malloc settings)
@@ -114,7 +114,7 @@ def run(setting: str, nproc: int, steps: int, mixed_precision: str | None = None
 
     from _common import PeakMemory
 
-    from torchspmd.engines.native.host import allocator_env as _allocator_env
+    from torchspmd.launch.host import allocator_env as _allocator_env
 
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)), **SETTINGS[setting])
     env.update(_allocator_env(env))  # the launcher's settings unless the setting chose its own

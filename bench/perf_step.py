@@ -96,7 +96,7 @@ def _samples(data: Path) -> dict[str, int]:
 
 
 def run(n: int, a, tmp: Path) -> dict:
-    from torchspmd.engines.native.host import allocator_env as _allocator_env
+    from torchspmd.launch.host import allocator_env as _allocator_env
 
     ctl, data, result = tmp / f"ctl{n}", tmp / f"perf{n}.data", tmp / f"result{n}.json"
     for p in (ctl, data, result):

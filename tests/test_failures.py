@@ -14,7 +14,7 @@ import pytest
 from _helpers import clean_env
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from torchspmd.engines.native import failures
+from torchspmd.launch import failures
 
 ROOT = Path(__file__).resolve().parents[1]
 

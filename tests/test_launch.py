@@ -140,7 +140,7 @@ def test_workers_get_the_malloc_settings_unless_the_user_chose(tmp_path):
         got = sorted(l for l in r.stdout.splitlines() if " malloc " in l)
         assert got == [f"rank {i} malloc {want!r}" for i in range(2)], (env, r.stdout)
     # what the launcher adds for each choice of the user's (the function both launch paths call)
-    from torchspmd.engines.native.host import allocator_env
+    from torchspmd.launch.host import allocator_env
 
     want = dict(zip(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"), tuned))
     for env, added in [({}, want), ({"TORCHSPMD_MALLOC": "tuned"}, want), ({"TORCHSPMD_MALLOC": "default"}, {}),
@@ -387,7 +387,7 @@ def test_bad_core_binding_switch_is_a_clear_error(script):
     ([3], 2, [[3], [3]]),
 ])
 def test_worker_cores(cores, world, expected):
-    from torchspmd.engines.native.host import worker_cores
+    from torchspmd.launch.host import worker_cores
 
     assert [worker_cores(cores, r, world) for r in range(world)] == expected
 
@@ -407,7 +407,7 @@ def test_an_uncaught_keyboard_interrupt_ends_a_forked_worker_as_it_ends_python(t
     python = _run([sys.executable, str(prog)])
     forked = _run([sys.executable, "-c", textwrap.dedent(f"""
         import multiprocessing as mp
-        from torchspmd.engines.native.launcher import run_program as _run_program
+        from torchspmd.launch.launcher import run_program as _run_program
         p = mp.get_context("fork").Process(target=_run_program, args=({str(prog)!r},))
         p.start(); p.join()
         print("exitcode", p.exitcode)

@@ -13,7 +13,7 @@ from test_train import ROOT
 
 import torchspmd.train as train_pkg
 from torchspmd import cli
-from torchspmd.engines.native import launcher as _launch
+from torchspmd.launch import launcher as _launch
 from torchspmd.train import config as tconfig
 
 # (flags, what the one error line must contain)

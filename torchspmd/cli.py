@@ -8,9 +8,9 @@ import os
 import sys
 
 from torchspmd import accelerators, engines, patches, runtime
-from torchspmd.engines.native import launcher
-from torchspmd.engines.native.failures import interrupted, record_error
-from torchspmd.engines.native.topology import all_ranks_output, parse_count
+from torchspmd.launch import launcher
+from torchspmd.launch.failures import interrupted, record_error
+from torchspmd.launch.environment import all_ranks_output, parse_count
 from torchspmd.errors import SpmdError
 from torchspmd.version import __version__
 

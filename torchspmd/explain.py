@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchspmd.engines.native import redistribution, shared_sums, unwrapped_tensor_parallel
+from torchspmd import engines
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import get_global_mesh
 
@@ -242,7 +242,7 @@ def _layouts(model: nn.Module) -> tuple[list[ParamLayout], list[str]]:
                 gathered = True
                 whole.append(name)
                 parts.append(f"all-gathered before each {type(owner).__name__}.forward, outside FSDP")
-        unwrapped = unwrapped_tensor_parallel.laid_out(owner) if owner is not None and tp is None else None
+        unwrapped = engines.planned().tensor_parallel_layout(owner) if owner is not None and tp is None else None
         if unwrapped is not None and attr in ("weight", "bias") and isinstance(p, DTensor):
             parts.append(f"tensor-parallel {unwrapped} over 'model' (no wrapper: Megatron's layouts)")
         if not parts:
@@ -436,7 +436,7 @@ def _clean_module(name: str) -> str:
 
 
 def _regathered(events: list, counts: dict | None = None) -> list[Regathered]:
-    """``redistribution.Fallback`` records, alike ones counted together (``counts``: given)."""
+    """The engine's gather-and-split fallback records (``Engine.watching_fallbacks``), alike ones counted together (``counts``: given)."""
     rows: dict[tuple, int] = {}
     for e in events:
         key = (e.op, e.phase, e.module, e.source, e.target, e.shape, e.error)
@@ -456,7 +456,7 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
 
     # The exact loss's small sums as the backend's all-reduces (on one machine a training step
     # makes them through shared memory: docs/guide.md, "Exact global losses").
-    with mode, warnings.catch_warnings(), redistribution.watching(where) as fallbacks, shared_sums.through_backend():
+    with mode, warnings.catch_warnings(), engines.planned().watching_fallbacks(where) as fallbacks:
         # CommDebugMode's module tracker puts a full backward hook on every module; torch warns
         # for each whose inputs need no gradient (the first layer's): the tracker's noise.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -546,7 +546,7 @@ def explain(model: nn.Module, step_fn: Callable[[], Any] | None = None, strict: 
         result.collectives, result.comm_counts, result.total, result.notes, result.regathered = _collectives(
             model, step_fn)
     else:  # those this process did so far (where, only a step_fn's tracker knows)
-        seen = redistribution.seen()
+        seen = engines.planned().fallbacks_seen()
         result.regathered = _regathered(list(seen), seen)
     paths = getattr(model, "row_paths", None)
     if callable(paths):

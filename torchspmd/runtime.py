@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from torchspmd import engines
-from torchspmd.engines.native import topology
+from torchspmd.launch import environment
 
 __all__ = [
     "use_spmd",
@@ -41,8 +41,8 @@ __all__ = [
 
 # Environment variables read when choosing and starting an engine (documented in docs/guide.md).
 ENV_BACKEND = engines.ENV_BACKEND
-ENV_NUM_DEVICES = topology.ENV_NUM_DEVICES
-XLA_CPU_NUM_DEVICES = topology.XLA_CPU_NUM_DEVICES
+ENV_NUM_DEVICES = environment.ENV_NUM_DEVICES
+XLA_CPU_NUM_DEVICES = environment.XLA_CPU_NUM_DEVICES
 
 
 @dataclass
@@ -120,7 +120,7 @@ def device_type() -> str:
 
 def launched() -> bool:
     """A launcher (torchrun, ``torchspmd run``) started this process."""
-    return topology.launched()
+    return environment.launched()
 
 
 def backends() -> tuple[str, ...]:

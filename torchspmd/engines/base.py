@@ -14,8 +14,9 @@ Integrations (the train job, the Hugging Face trainer, checkpoints, the CLI) ask
 
 A third engine (a PrivateUse1 device speaking torch.distributed and DTensor, such as the
 TorchTPU stack) is best the native engine on another device type; an engine that delegates to
-another runtime subclasses ``Engine``, fills in every abstract method and registers itself
-with ``torchspmd.engines.register`` (docs/design.md).
+another runtime subclasses ``Engine``, fills in its abstract methods (19, in four roles: start
+and topology, sharding and data, wrappers, checkpoints; the rest have defaults or are
+optional) and registers itself with ``torchspmd.engines.register`` (docs/design.md).
 """
 
 from __future__ import annotations
@@ -55,8 +56,15 @@ class Capabilities:
     pipeline_stages: bool = False
 
 
-class Engine(abc.ABC):
-    """One runtime for the SPMD programming model. See the module's docstring."""
+def _absent(engine, what: str):
+    raise NotImplementedError(f"{what}: the {engine.name} engine does not provide it")  # by design: an optional role
+
+
+class Start(abc.ABC):
+    """Role: choosing and starting the runtime, and the job's topology. An engine gives five
+    counts (``world_size``, ``process_count``, ``process_index``, ``local_device_count``,
+    ``local_ordinal``); torch_xla's other five are derived from them (an engine whose runtime
+    reports them itself may override them)."""
 
     #: short name: ``"native"``, ``"xla"``
     name: str
@@ -70,7 +78,6 @@ class Engine(abc.ABC):
         exactly)."""
         return backend in self.backends
 
-    # -- choice and start --------------------------------------------------------------------
     @abc.abstractmethod
     def default_backend(self) -> str | None:
         """The backend to use when none is named, where this engine's environment asks for
@@ -88,39 +95,44 @@ class Engine(abc.ABC):
 
     # -- topology (also asked before start: what the job will have) ---------------------------
     @abc.abstractmethod
-    def global_runtime_device_count(self) -> int: ...
-
-    @abc.abstractmethod
-    def addressable_runtime_device_count(self) -> int: ...
-
-    @abc.abstractmethod
-    def global_device_count(self) -> int: ...
-
-    @abc.abstractmethod
-    def addressable_device_count(self) -> int: ...
-
-    @abc.abstractmethod
-    def local_device_count(self) -> int: ...
-
-    @abc.abstractmethod
-    def global_ordinal(self) -> int: ...
-
-    @abc.abstractmethod
-    def local_ordinal(self) -> int: ...
-
-    @abc.abstractmethod
-    def process_index(self) -> int: ...
+    def world_size(self) -> int:
+        """The devices of the job."""
 
     @abc.abstractmethod
     def process_count(self) -> int: ...
 
     @abc.abstractmethod
-    def world_size(self) -> int: ...
+    def process_index(self) -> int: ...
 
     @abc.abstractmethod
+    def local_device_count(self) -> int:
+        """The devices of this host."""
+
+    @abc.abstractmethod
+    def local_ordinal(self) -> int:
+        """This process's place among its host's processes."""
+
+    def global_runtime_device_count(self) -> int:
+        return self.world_size()
+
+    def global_device_count(self) -> int:
+        return self.world_size()
+
+    def addressable_runtime_device_count(self) -> int:
+        """The devices this process drives."""
+        return self.world_size() // self.process_count()
+
+    def addressable_device_count(self) -> int:
+        return self.addressable_runtime_device_count()
+
+    def global_ordinal(self) -> int:
+        """The job-wide index of this process's first device."""
+        return self.process_index() * self.addressable_runtime_device_count()
+
     def planned_processes(self, backend: str, num_devices: int | None) -> int | None:
         """Processes a job started as ``python script.py`` runs on this host, before it
         starts (None: the engine counts its devices when it starts)."""
+        return None
 
     def describe(self, backend: str) -> list[str]:
         """Lines for ``torchspmd info``."""
@@ -135,12 +147,15 @@ class Engine(abc.ABC):
         return None
 
     # -- steps --------------------------------------------------------------------------------
-    @abc.abstractmethod
     def step(self, index: int) -> contextlib.AbstractContextManager:
-        """Around one training step (``index``: steps completed before it)."""
+        """Around one training step (``index``: steps completed before it); nothing by default."""
+        return contextlib.nullcontext()
 
-    @abc.abstractmethod
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        """Run what the program queued (a lazy runtime's step); nothing by default."""
+
+class Sharding(abc.ABC):
+    """Role: meshes, partition specs and data placement."""
 
     # -- meshes -------------------------------------------------------------------------------
     def own_class(self, kind: str) -> type | None:
@@ -188,15 +203,15 @@ class Engine(abc.ABC):
         wrapper returns the marked value)."""
         return False
 
-    @abc.abstractmethod
-    def mark_sharding_with_gradients(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor: ...
+    def mark_sharding_with_gradients(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor:
+        return _absent(self, "mark_sharding_with_gradients")
 
-    @abc.abstractmethod
-    def enable_manual_sharding(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor: ...
+    def enable_manual_sharding(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple) -> torch.Tensor:
+        return _absent(self, "enable_manual_sharding")
 
-    @abc.abstractmethod
     def disable_manual_sharding(self, t: torch.Tensor, mesh, spec: tuple, resolved: tuple,
-                                full_shape: tuple[int, ...]) -> torch.Tensor: ...
+                                full_shape: tuple[int, ...]) -> torch.Tensor:
+        return _absent(self, "disable_manual_sharding")
 
     @abc.abstractmethod
     def clear_sharding(self, t: torch.Tensor) -> torch.Tensor: ...
@@ -204,10 +219,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def get_sharding(self, t: torch.Tensor) -> tuple | None: ...
 
-    @abc.abstractmethod
     def visualize_sharding(self, t: torch.Tensor | str, use_color: bool):
         """Print which device holds which block of ``t`` (or of an HLO sharding text); return
         the table."""
+        return _absent(self, "visualize_sharding")
 
     def sharding_spec(self, mesh, spec: tuple, minibatch: bool):
         """The engine's own ``ShardingSpec``; None: the public one."""
@@ -220,10 +235,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def shard_batch(self, batch: Any, input_sharding, device) -> Any: ...
 
+
+class Wrappers(abc.ABC):
+    """Role: the wrappers that place a module's parameters (FSDPv2 at least)."""
+
     # -- wrappers -----------------------------------------------------------------------------
-    @abc.abstractmethod
     def replicate(self, module: nn.Module, mesh, data_dims: list[int], shard_output: Callable | None,
-                  ddp_kwargs: dict) -> nn.Module: ...
+                  ddp_kwargs: dict) -> nn.Module:
+        return _absent(self, "replicate")
 
     def pipeline(self, model: nn.Module, mesh, axis: str, layers: list[str], microbatches: int, schedule: str,
                  example_inputs):
@@ -234,22 +253,26 @@ class Engine(abc.ABC):
     def fully_shard(self, module: nn.Module, mesh, shard_output: Callable | None, auto_wrap_policy: Callable | None,
                     auto_wrapper_callable: Callable | None, extra_data_axis: str | None, options: dict) -> nn.Module: ...
 
-    @abc.abstractmethod
     def shard_in_place(self, module: nn.Module, mesh, shard_output: Callable | None, extra_data_axis: str | None,
                        options: dict) -> nn.Module:
         """``module`` made an FSDPv2 unit without a wrapper module (inside an FSDPv2 root)."""
+        return _absent(self, "shard_in_place")
 
     @abc.abstractmethod
     def is_fully_sharded(self, module: nn.Module) -> bool:
         """``module`` is one of this engine's FSDPv2 wrappers."""
 
-    @abc.abstractmethod
-    def checkpoint_module(self, module: nn.Module) -> nn.Module: ...
+    def checkpoint_module(self, module: nn.Module) -> nn.Module:
+        return _absent(self, "checkpoint_module")
+
+
+class Checkpoints(abc.ABC):
+    """Role: gradients, whole and sharded state."""
 
     # -- gradients and state ------------------------------------------------------------------
-    @abc.abstractmethod
     def clip_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float, norm_type: float,
-                        error_if_nonfinite: bool) -> torch.Tensor: ...
+                        error_if_nonfinite: bool) -> torch.Tensor:
+        return _absent(self, "clip_grad_norm_")
 
     @abc.abstractmethod
     def full_state_dict(self, model: nn.Module, rank0_only: bool, cpu: bool) -> dict[str, torch.Tensor]: ...
@@ -266,7 +289,59 @@ class Engine(abc.ABC):
     def load_state(self, state_dict: dict, storage_reader) -> None:
         """Read a checkpoint into ``state_dict``'s tensors."""
 
-    @abc.abstractmethod
     def prime_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Create an optimizer's state (one step that changes no parameter) before a
         checkpoint is loaded into it."""
+        return _absent(self, "prime_optimizer")
+
+
+class Engine(Start, Sharding, Wrappers, Checkpoints):
+    """One runtime for the SPMD programming model, in four roles (see the module's docstring):
+    :class:`Start`, :class:`Sharding`, :class:`Wrappers`, :class:`Checkpoints`. The abstract
+    methods are what every engine gives; the others have a default or raise
+    ``NotImplementedError`` naming the engine (optional: the public API checks the
+    engine's ``capabilities`` first where one is optional)."""
+
+    # -- what the integrations read from an engine (defaults: an engine without these paths) -----
+    def set_auto_replicate(self, enabled: bool | None) -> bool | None:
+        """Turn the automatic data-parallel path on (True), off (False) or back to the
+        environment's setting (None); return the previous setting (``torchspmd.set_auto_replicate``).
+        An engine without such a path keeps nothing and returns None."""
+        return None
+
+    def auto_path(self, module: nn.Module) -> dict:
+        """What the automatic data-parallel path decided for ``module`` (``torchspmd.auto_path``)."""
+        return {}
+
+    def is_pipelined(self, model: nn.Module) -> bool:
+        """``model`` was split into pipeline stages by this engine."""
+        return False
+
+    def tensor_parallel_layout(self, module: nn.Module) -> str | None:
+        """The tensor-parallel style (``'colwise'``, ``'rowwise'``, ...) ``module`` computes in
+        with no wrapper (its weight annotated over ``'model'``), or None (``explain``)."""
+        return None
+
+    def watching_fallbacks(self, where: Callable[[], tuple[str, str]]) -> contextlib.AbstractContextManager:
+        """A context that records, as a list it yields, every time a value is gathered whole and
+        split again because the runtime had no direct way (``explain``); ``where()`` names the
+        phase and module. Its collectives go through the process group's backend, so that a
+        communication counter sees them."""
+        return contextlib.nullcontext([])
+
+    def fallbacks_seen(self) -> dict:
+        """The gather-and-split fallbacks this process made so far, each with its count."""
+        return {}
+
+    def sharding_string(self, t: torch.Tensor) -> str:
+        """``t``'s layout in XLA's HLO sharding text (``--xla-compat``'s ``_XLAC``)."""
+        return _absent(self, "sharding_string")
+
+    def sharding_type(self, t: torch.Tensor):
+        """``t``'s layout as torch_xla's ``ShardingType`` (None: not a sharded value)."""
+        return _absent(self, "sharding_type")
+
+    def quiet_gathers(self) -> contextlib.AbstractContextManager:
+        """A context in which gathering a sharded value whole warns nothing (a program's own
+        save of whole values)."""
+        return contextlib.nullcontext()

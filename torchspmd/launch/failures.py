@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ProcessFailure,
 )
 
-from torchspmd.engines.native.topology import all_ranks_output
+from torchspmd.launch.environment import all_ranks_output
 from torchspmd.errors import PeerLost
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"

@@ -18,9 +18,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchspmd import patches
-from torchspmd.engines.native import failures
-from torchspmd.engines.native.failures import AgentLog, on_interrupt, summarize
-from torchspmd.engines.native.host import (
+from torchspmd.launch import failures
+from torchspmd.launch.failures import AgentLog, on_interrupt, summarize
+from torchspmd.launch.host import (
     MALLOC_ENV,
     MALLOPT,
     allocator_env,

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from torchspmd import engines
-from torchspmd.engines.native.pipeline_stages import SCHEDULES, is_split
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import Mesh, as_view, get_global_mesh
+from torchspmd.pipeline_schedules import SCHEDULES
 
 __all__ = ["pipeline", "SCHEDULES", "is_split"]
 
@@ -91,3 +91,9 @@ def pipeline(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "pipelin
         raise SpmdError("pipeline(split=...): give the class of the model's decoder layers, or module names")
     return engine.pipeline(model, mesh, axis, _layer_names(model, split), microbatches, schedule, example_inputs)
 
+
+def is_split(model: nn.Module) -> bool:
+    """Whether ``model`` was split into pipeline stages (``pipeline``): it then runs through
+    the stages' runner."""
+    engine = engines.started()
+    return engine is not None and engine.is_pipelined(model)

@@ -15,7 +15,6 @@ from typing import Callable, Sequence
 import torch.nn as nn
 
 from torchspmd import engines
-from torchspmd.engines.native import data_parallel
 from torchspmd.errors import SpmdError
 from torchspmd.mesh import Mesh, as_view, get_1d_mesh, get_global_mesh
 
@@ -68,10 +67,10 @@ def set_auto_replicate(enabled: bool | None) -> bool | None:
     computes through DTensor. Every process must make the same call at the same point of
     the program. (The native engine's path: on the torch_xla engine GSPMD partitions every
     step.)"""
-    return data_parallel.set_auto_replicate(enabled)
+    return engines.planned().set_auto_replicate(enabled)
 
 
 def auto_path(module: nn.Module) -> dict:
     """What the automatic path decided for ``module``: ``{kind of call: True (local
     compute, DDP's reducer) or False (through DTensor)}``; empty when it never looked."""
-    return data_parallel.auto_path(module)
+    return engines.planned().auto_path(module)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchspmd import runtime
 from torchspmd.errors import SpmdError
+from torchspmd.pipeline_schedules import SCHEDULES
 from torchspmd.train import data as tdata
 from torchspmd.train.models import model_vocab, pretrained_config
 
@@ -81,7 +82,7 @@ class MeshConfig:
     data: int = _f(1, "replicas over an extra 'data' axis (hybrid sharding); the rest is 'fsdp'")
     model: int = _f(1, "size of the 'model' axis: tensor parallelism over it (a transformers model's own "
                        "tensor-parallel plan; the seed decoder's MLP, embedding and LM head); the rest is 'fsdp'")
-    backend: str = _f("", "'cpu', 'cuda' (or another accelerator's device type) or 'xla'; empty: xla when "
+    backend: str = _f("", "'cpu', an accelerator's device type (torch.accelerator's) or 'xla'; empty: xla when "
                           "PJRT_DEVICE is set and torch_xla is installed, else the accelerator PyTorch finds, else cpu")
     pipeline: int = _f(1, "size of the 'pipeline' axis: the model cut into that many stages between decoder "
                           "layers (torchspmd.pipeline), FSDPv2 over 'fsdp' inside each; 1 for none")
@@ -579,7 +580,7 @@ def preflight(cfg: TrainConfig) -> None:
         tdata.check_corpus(len(tokens), cfg.data, cfg.optim)
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
 
 def _check_pipeline(cfg: TrainConfig) -> None:

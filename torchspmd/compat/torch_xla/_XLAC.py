@@ -5,10 +5,9 @@ XLA's runtime, compiler and IR, which the native engine does not have."""
 
 from __future__ import annotations
 
-from torchspmd import hlo, runtime
+from torchspmd import engines, hlo, runtime
 from torchspmd.compat import xla_tensors
 from torchspmd.compat.stand_ins import not_provided
-from torchspmd.engines.native.sharded_view import sharding_string, sharding_type
 from torchspmd.xla_shards import ShardingType
 
 
@@ -19,7 +18,7 @@ def _get_xla_sharding_spec(t) -> str:
     the last ``sync``) is ``{replicated}``: whole on every device."""
     if runtime.is_spmd() and xla_tensors.is_device_data(t):
         return hlo.REPLICATED
-    return sharding_string(t)
+    return engines.planned().sharding_string(t)
 
 
 def _get_xla_sharding_type(t) -> ShardingType | None:
@@ -27,7 +26,7 @@ def _get_xla_sharding_type(t) -> ShardingType | None:
     ``''``); unannotated device data is ``REPLICATED``, as its text is ``{replicated}``."""
     if runtime.is_spmd() and xla_tensors.is_device_data(t):
         return ShardingType.REPLICATED
-    return sharding_type(t)
+    return engines.planned().sharding_type(t)
 
 
 __getattr__ = not_provided("torch_xla._XLAC")

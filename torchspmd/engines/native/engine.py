@@ -25,10 +25,8 @@ from torchspmd.engines.native import (
     data,
     data_parallel,
     exact_ops,
-    failures,
     fsdp,
     implicit_replication,
-    launcher,
     module_edges,
     module_slots,
     optimizer_steps,
@@ -37,11 +35,14 @@ from torchspmd.engines.native import (
     rng,
     sharded_view,
     sharding,
+    shared_sums,
     state,
     topology,
+    unwrapped_tensor_parallel,
 )
 from torchspmd.engines.native.collectives import CHOICES
 from torchspmd.engines.native.device_mesh import device_mesh
+from torchspmd.launch import failures, launcher
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.patches import torch as torch_patches
@@ -142,23 +143,8 @@ class NativeEngine(Engine):
         self._owns_process_group = False
 
     # -- topology ------------------------------------------------------------------------------
-    def global_runtime_device_count(self) -> int:
-        return topology.world_size()
-
-    def global_device_count(self) -> int:
-        return topology.world_size()
-
-    def addressable_runtime_device_count(self) -> int:
-        return 1  # (one process per device: the devices this process drives)
-
-    def addressable_device_count(self) -> int:
-        return 1
-
     def local_device_count(self) -> int:
         return topology.local_size()
-
-    def global_ordinal(self) -> int:
-        return topology.rank()
 
     def local_ordinal(self) -> int:
         return topology.local_rank()
@@ -212,6 +198,36 @@ class NativeEngine(Engine):
 
     def in_local_compute(self):
         return module_edges.in_local_compute()
+
+    # -- what the integrations read -------------------------------------------------------------
+    def set_auto_replicate(self, enabled):
+        return data_parallel.set_auto_replicate(enabled)
+
+    def auto_path(self, module):
+        return data_parallel.auto_path(module)
+
+    def is_pipelined(self, model):
+        return pipeline_stages.is_split(model)
+
+    def tensor_parallel_layout(self, module):
+        return unwrapped_tensor_parallel.laid_out(module)
+
+    @contextlib.contextmanager
+    def watching_fallbacks(self, where):
+        with redistribution.watching(where) as fallbacks, shared_sums.through_backend():
+            yield fallbacks
+
+    def fallbacks_seen(self):
+        return redistribution.seen()
+
+    def sharding_string(self, t):
+        return sharded_view.sharding_string(t)
+
+    def sharding_type(self, t):
+        return sharded_view.sharding_type(t)
+
+    def quiet_gathers(self):
+        return state.quiet_gathers()
 
     def mark_sharding_with_gradients(self, t, mesh, spec, resolved):
         return sharding.mark_sharding_with_gradients(t, mesh, resolved)
@@ -317,3 +333,4 @@ def _require_supported_torch(backend: str) -> None:
            if not patches.in_range(torch.__version__, ">=2.13") else
            f"It is newer than any torch the engine is tested on: install torch{SUPPORTED_TORCH}, or set "
            f"{patches.UNTESTED_VERSIONS}=1 to try it (patches outside their verified versions are then applied)"))
+

@@ -28,7 +28,7 @@ from torchspmd.engines.native import global_mode, pair_proofs, replicas, shardin
 from torchspmd.engines.native import replaced_parameters as _stale
 from torchspmd.engines.native.collectives import install as install_collectives
 from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.engines.native.host import release_freed_memory
+from torchspmd.launch.host import release_freed_memory
 from torchspmd.engines.native.module_edges import (
     BatchLayout,
     inputs_to_local,

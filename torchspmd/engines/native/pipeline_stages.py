@@ -32,18 +32,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchspmd.engines.native import device_mesh as device_meshes
 from torchspmd.engines.native import replicas, row_locality, topology
 from torchspmd.errors import SpmdError
+from torchspmd.pipeline_schedules import SCHEDULES
 
 __all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages", "is_split"]
 
 #: schedule name -> (torch.distributed.pipelining class, stages per process)
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", 1),
-    "1f1b": ("Schedule1F1B", 1),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
-    "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
-}
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """Which module names begin each stage after the first, and which parameters (by name,

@@ -36,10 +36,10 @@ import torch.nn as nn
 from torchspmd import hlo, state_keys
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.errors import SpmdError
+from torchspmd.launch.environment import ENV_NUM_DEVICES, parse_count
 from torchspmd.mesh_layouts import hybrid_layout
 
 PJRT_DEVICE = "PJRT_DEVICE"  # torch_xla's switch: set (with torch_xla installed) chooses this engine
-ENV_NUM_DEVICES = "TORCHSPMD_NUM_DEVICES"
 INSTALL = (
     "pip install 'torchspmd[tpu]' (torch_xla needs the torch of its own version: on a TPU VM "
     "`pip install torch==2.9.0 'torch_xla[tpu]==2.9.0'`; to try it on CPUs "
@@ -58,7 +58,7 @@ def require(api: str = "use_spmd(backend='xla')") -> None:
     if not installed():
         raise SpmdError(
             f"{api}: torch_xla is not installed in this Python environment ({sys.executable}); install it with "
-            f"{INSTALL}, or use the native engine (backend='cpu', 'cuda' or another accelerator's device type)"
+            f"{INSTALL}, or use the native engine (backend='cpu' or an accelerator's device type)"
         )
     try:
         for name in ("torch_xla", "torch_xla.runtime", "torch_xla.distributed.spmd"):
@@ -90,17 +90,6 @@ def _device():
 
 def _on_device(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "xla" else t.to(_device())
-
-
-def _parse_count(value: str, source: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise SpmdError(f"{source}={value!r} is not an integer; set it to the number of devices") from None
-    if n < 1:
-        raise SpmdError(f"{source}={n}: the number of devices must be at least 1; leave it unset on the torch_xla "
-                        f"engine")
-    return n
 
 
 # -- meshes -----------------------------------------------------------------------------
@@ -268,7 +257,7 @@ class XlaEngine(Engine):
         PJRT shows; on the CPU client it sets ``CPU_NUM_DEVICES`` when that is unset."""
         source = "use_spmd(num_devices=...)"
         if num_devices is None and os.environ.get(ENV_NUM_DEVICES):
-            num_devices, source = _parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES), ENV_NUM_DEVICES
+            num_devices, source = parse_count(os.environ[ENV_NUM_DEVICES], ENV_NUM_DEVICES, "leave it unset on the torch_xla engine"), ENV_NUM_DEVICES
         if num_devices is not None and (type(num_devices) is not int or num_devices < 1):
             raise SpmdError(f"{source}: {num_devices!r} is not a positive number of devices")
         if num_devices is not None and os.environ.get(PJRT_DEVICE, "").upper() == "CPU" \

@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from torchspmd import accelerators
+from torchspmd import accelerators, engines
 from torchspmd.compat import _device, _steps
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.compat.torch_xla import runtime as _xr
 from torchspmd.data import shard_batch
-from torchspmd.engines.native.state import quiet_gathers
 from torchspmd.errors import SpmdError
 
 
@@ -172,7 +171,7 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
     """``torch.save`` of CPU copies of whole tensors (sharded ones are gathered: every
     process must call it). With ``master_only`` (the default) rank 0 writes."""
 
-    with quiet_gathers():
+    with engines.planned().quiet_gathers():
         cpu = _gathered(data)
     if not master_only or (dist.get_rank() if dist.is_initialized() else 0) == 0:
         torch.save(cpu, file_or_path)

@@ -3,9 +3,8 @@
 
 import torch
 
-from torchspmd import hlo, runtime, sharding_table
+from torchspmd import engines, hlo, runtime, sharding_table
 from torchspmd.compat.stand_ins import not_provided
-from torchspmd.engines.native.sharded_view import sharding_string
 
 
 def visualize_sharding(sharding, use_color: bool = True, scale: float = 1.0, min_width: int = 9,
@@ -14,7 +13,7 @@ def visualize_sharding(sharding, use_color: bool = True, scale: float = 1.0, min
     its first two tile dims, labelled with the devices that hold it, as torch_xla draws it
     (``scale`` and ``min_width`` change nothing in its drawing either)."""
     if isinstance(sharding, torch.Tensor):
-        sharding = sharding_string(sharding)
+        sharding = engines.planned().sharding_string(sharding)
     print(f"Visualizing {sharding} (showing up to the first two dimensions)")
     cells = hlo.cells(sharding, runtime.global_runtime_device_count(), in_text_order=True)
     return sharding_table.render_as_torch_xla(cells, runtime.device_type().upper(), use_color, max_width)
@@ -22,14 +21,14 @@ def visualize_sharding(sharding, use_color: bool = True, scale: float = 1.0, min
 
 def visualize_tensor_sharding(t, **kwargs):
     """``visualize_sharding`` of ``t``'s sharding text."""
-    return visualize_sharding(sharding_string(t), **kwargs)
+    return visualize_sharding(engines.planned().sharding_string(t), **kwargs)
 
 
 def construct_v1_sharding_str(t) -> str:
     """The HLO sharding text of ``t`` in XLA's V1 form (``{devices=[2,1,2]0,1,2,3
     last_tile_dim_replicate}``, ``{replicated}``; ``''`` without a sharding): the text
     ``torch_xla._XLAC._get_xla_sharding_spec`` gives, which is always V1 here."""
-    return sharding_string(t)
+    return engines.planned().sharding_string(t)
 
 
 __getattr__ = not_provided("torch_xla.distributed.spmd.debugging")
