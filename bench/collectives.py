@@ -5,7 +5,7 @@
 For each buffer size (the full, unsharded bytes of one FSDP unit) it times, over the
 processes: the native all-gather of one shard per process into the whole buffer, the
 native reduce-scatter of the whole buffer, and torchspmd's all-reduce forms of both
-and the shared-memory forms (``torchspmd/engines/native/collectives.py``). Writes
+and the shared-memory forms (``torchspmd/engines/native/communication/collectives.py``). Writes
 ``bench/results/collectives.md`` and ``.json``.
 """
 
@@ -31,7 +31,7 @@ def worker(sizes_mb: list[int], repeat: int, result: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchspmd.engines.native.collectives import (
+    from torchspmd.engines.native.communication.collectives import (
         AllReduceAllGather,
         AllReduceReduceScatter,
         SharedMemoryAllGather,

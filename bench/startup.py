@@ -8,7 +8,7 @@ Writes ``startup.md`` and ``startup.json``:
   ``torchspmd run`` at 2 and 4 processes: rank 0's seconds from the call to its return (the
   replica check of every plain parameter and buffer, FSDP2's sharding, the first import of
   whatever the launcher did not import), and the whole run's wall time;
-- the replica digest (``torchspmd.engines.native.replicas.digest``) of the model's 0.43 GB of parameters in
+- the replica digest (``torchspmd.engines.native.communication.replicas.digest``) of the model's 0.43 GB of parameters in
   one process, in GB/s: SHA-256 (CPU tensors) and the weighted byte sum in torch kernels
   (other devices; what CPU tensors used before);
 - a [256, 1024] x [1024, 4096] matmul in float32 and bfloat16 with the cores' threads (is
@@ -74,7 +74,7 @@ def _digest() -> dict:
     form until this change), on the same parameters."""
     import torch
 
-    from torchspmd.engines.native.replicas import _weighted_byte_sum, digest
+    from torchspmd.engines.native.communication.replicas import _weighted_byte_sum, digest
     from torchspmd.models import DecoderModel
 
     torch.manual_seed(0)

@@ -190,7 +190,7 @@ def ignored_targets(spmd: bool, rows: int, batch: int, ignore_index: int = -100,
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     if not spmd or host_group:
         return _ignored_steps(model, loader, opt, ignore_index, change_in_place, item_first)
-    from torchspmd.engines.native import early_reductions as _early
+    from torchspmd.engines.native.global_view import early_reductions as _early
 
     host_collectives = _early._host_collectives
     _early._host_collectives = lambda: False  # as with a default group of NCCL alone: no sums on the host

@@ -363,7 +363,9 @@ def _plant(bug: str):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
-    from torchspmd.engines.native import data_parallel, gradient_sums, row_locality
+    from torchspmd.engines.native.communication import gradient_sums
+    from torchspmd.engines.native.global_view import row_locality
+    from torchspmd.engines.native.wrappers import data_parallel
 
     if bug == "proof-says-local":  # the automatic path takes every checked module as row-local
         proof, stop = row_locality.batch_size_proof, data_parallel._Redistributions.stop
@@ -410,7 +412,7 @@ def _plant(bug: str):
             gradient_sums.register = register
         return undo
     if bug == "unit-proof-says-local":  # FSDPv2 computes every model on this process's rows
-        from torchspmd.engines.native import unit_rows
+        from torchspmd.engines.native.global_view import unit_rows
 
         decide = unit_rows.RowPaths.local
         unit_rows.RowPaths.local = lambda self, *a, **k: True

@@ -1,5 +1,5 @@
 """Programs with code between a tensor-parallel pair's linears (``up`` column-parallel, ``down``
-row-parallel over ``'model'``), for the pair proof (``torchspmd/engines/native/feature_flow.py``):
+row-parallel over ``'model'``), for the pair proof (``torchspmd/engines/native/global_view/feature_flow.py``):
 each trained a few steps with Adam on one plain process (the oracle; this module does not
 import torchspmd at import time) and under FSDPv2 on ``('fsdp', 'model')``, where the pair's
 activation must stay split exactly where the code between acts on each process's features

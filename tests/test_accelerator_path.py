@@ -16,7 +16,8 @@ def _choices(switch: str):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from torchspmd.engines.native import collectives, data, gradient_sums, replicas, shared_sums
+    from torchspmd.engines.native import data
+    from torchspmd.engines.native.communication import collectives, gradient_sums, replicas, shared_sums
 
     os.environ["TORCHSPMD_ACCELERATOR_PATH"] = switch  # (the pool undoes it after the task)
     group = SimpleNamespace(mesh_info=SimpleNamespace(shard_process_group=tdist.group.WORLD),

@@ -168,8 +168,8 @@ def _optimizer_steps(spmd: bool):
     """An Adam step on plain parameters, a step with a closure, a step that raises; with
     spmd, count the global-view mode's calls during each and report whether it is still
     the innermost mode after the failed step."""
-    from torchspmd.engines.native import global_mode
-    from torchspmd.engines.native import implicit_replication as gv
+    from torchspmd.engines.native.start import global_mode
+    from torchspmd.engines.native.global_view import implicit_replication as gv
 
     torch.manual_seed(0)
     model = Net()
@@ -274,7 +274,7 @@ def _hooks_during_local_calls(fail: bool):
 
     from torch.nn.modules import module as m
 
-    rp = importlib.import_module("torchspmd.engines.native.data_parallel")
+    rp = importlib.import_module("torchspmd.engines.native.wrappers.data_parallel")
 
     torch.manual_seed(0)
     model = decoder()

@@ -1,4 +1,4 @@
-"""FSDPv2's collectives (torchspmd/engines/native/collectives.py): the all-reduce forms give the
+"""FSDPv2's collectives (torchspmd/engines/native/communication/collectives.py): the all-reduce forms give the
 native collectives' results; the shared-memory ones are exact on random fp32 and bf16 data
 (stated below), grow their buffer, and stay right when one process is late; and the choice
 of variant."""
@@ -17,7 +17,7 @@ def _compare(numel):
     exact in any order)."""
     import torch.distributed as dist
 
-    from torchspmd.engines.native.collectives import (
+    from torchspmd.engines.native.communication.collectives import (
         AllReduceAllGather,
         AllReduceReduceScatter,
     )
@@ -55,7 +55,7 @@ def test_allreduce_forms_equal_native_collectives(dist, world, numel):
 def _variant(collectives):
     from torch.distributed.fsdp import FSDPModule
 
-    from torchspmd.engines.native.collectives import (
+    from torchspmd.engines.native.communication.collectives import (
         AllReduceAllGather,
         SharedMemoryAllGather,
         SharedParamsAllGather,
@@ -72,7 +72,7 @@ def _variant(collectives):
 
 
 def test_auto_picks_shared_memory_on_one_machine(dist):
-    from torchspmd.engines.native.collectives import can_point_storages
+    from torchspmd.engines.native.communication.collectives import can_point_storages
 
     # the gathered parameters live in shared memory where this torch lets FSDP2's storages point there
     shm = "SharedParamsAllGather" if can_point_storages() else "SharedMemoryAllGather"
@@ -88,8 +88,8 @@ def _variant_without_room():
     test_shared_memory_buffer_that_cannot_be_made_fails_on_every_rank.)"""
     import warnings
 
-    from torchspmd.engines.native import shared_memory
-    from torchspmd.engines.native.collectives import SharedMemoryUnavailableWarning
+    from torchspmd.engines.native.communication import shared_memory
+    from torchspmd.engines.native.communication.collectives import SharedMemoryUnavailableWarning
 
     made = shared_memory.new_file
     shared_memory.new_file = lambda size: [None, f"cannot make a {size}-byte shared-memory buffer (test: no room)"]
@@ -113,7 +113,7 @@ def _fsdp_reduce_scatter_path():
     shared-memory collectives; return the shared buffers the collectives asked for, in order."""
     import functools
 
-    import torchspmd.engines.native.collectives as coll
+    import torchspmd.engines.native.communication.collectives as coll
 
     n = ts.global_runtime_device_count()
     mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model"))
@@ -198,7 +198,7 @@ def _shm_calls(calls, fresh_group=False, with_gloo=False):
     ("between") or between the all-gather and reading its output ("after")."""
     import torch.distributed as dist
 
-    import torchspmd.engines.native.collectives as coll
+    import torchspmd.engines.native.communication.collectives as coll
 
     group = dist.new_group(list(range(dist.get_world_size()))) if fresh_group else dist.group.WORLD
     world, rank = group.size(), group.rank()
@@ -372,7 +372,7 @@ def _no_room():
     """A unit too big for /dev/shm (1 PiB): the buffer cannot be made."""
     import torch.distributed as dist
 
-    from torchspmd.engines.native.collectives import SharedMemoryAllGather
+    from torchspmd.engines.native.communication.collectives import SharedMemoryAllGather
 
     group = dist.new_group(list(range(dist.get_world_size())))
     try:
@@ -394,7 +394,7 @@ def test_reduce_scatter_sums_in_rank_order_at_any_process_count(dtype):
     """The reduce-scatter's sum at every process count (more than the multi-process tests
     start, where ``torch.sum`` over the rows would regroup them), on strided rows as the
     reduce-scatter reads them: exactly the rank-order float32 sum."""
-    from torchspmd.engines.native.collectives import sum_in_rank_order
+    from torchspmd.engines.native.communication.collectives import sum_in_rank_order
 
     for world in (1, 2, 3, 4, 5, 8, 17):
         for n in (1, 15, 1003, 70001):  # tails of the vectorized kernels, and a size they split
@@ -443,7 +443,7 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
     reduce-scatters of the last step."""
     import torch.distributed as tdist
 
-    import torchspmd.engines.native.collectives as coll
+    import torchspmd.engines.native.communication.collectives as coll
 
     counts = {"barrier": 0, "gather": 0, "reduce_scatter": 0}
     originals = (tdist.barrier, coll.SharedParamsAllGather.gather, coll.SharedMemoryReduceScatter.__call__,
@@ -468,7 +468,7 @@ def _train_shared(shared, late=None, steps=3, prefetch=False, slow_sum=None):
 
 
 def _train_shared_counted(shared, late, steps, prefetch, counts):
-    from torchspmd.engines.native.collectives import SHARED_PARAMS_SWITCH
+    from torchspmd.engines.native.communication.collectives import SHARED_PARAMS_SWITCH
 
     os.environ[SHARED_PARAMS_SWITCH] = "1" if shared else "0"
     n = ts.global_runtime_device_count()
@@ -522,7 +522,7 @@ def test_gathered_parameters_live_once_in_shared_memory(dist, world):
     gives bit for bit what the copying all-gather gives, also with two gathers waiting at once
     (explicit prefetching); with TORCHSPMD_SHARED_PARAMS=0 the gathered parameters are in
     each process's own memory."""
-    from torchspmd.engines.native.collectives import can_point_storages
+    from torchspmd.engines.native.communication.collectives import can_point_storages
 
     if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
@@ -545,7 +545,7 @@ def test_shared_parameters_with_a_late_process(dist, late_rank):
     backward, so the others run ahead into the next unit's gathering: a region written before
     every process is done reading it would show in the results. They are bit for bit those of
     the copying all-gather without the late process, on every rank."""
-    from torchspmd.engines.native.collectives import can_point_storages
+    from torchspmd.engines.native.communication.collectives import can_point_storages
 
     if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")
@@ -564,7 +564,7 @@ def test_reduce_scatter_rows_are_written_again_only_after_every_sum(dist, world)
     barriers than one per gather and two per reduce-scatter. With one process summing 0.05 s
     late every time, the others run ahead as far as that allows: training is still bit for
     bit the copying all-gather's, on every rank."""
-    from torchspmd.engines.native.collectives import can_point_storages
+    from torchspmd.engines.native.communication.collectives import can_point_storages
 
     if not can_point_storages():
         pytest.skip("this torch cannot point a storage at shared memory (UntypedStorage._swap_data_ptr_)")

@@ -106,7 +106,7 @@ def _collective_choices():
     import torch.distributed as dist
 
     from torchspmd import SpmdError
-    from torchspmd.engines.native import collectives
+    from torchspmd.engines.native.communication import collectives
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {}

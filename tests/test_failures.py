@@ -130,7 +130,7 @@ def test_death_inside_a_collective_ends_the_job(tmp_path, how, code, said, start
 
 SHARED = """
     import functools, numpy as np, torch.nn as nn, torch.nn.functional as F
-    from torchspmd.engines.native import gradient_sums
+    from torchspmd.engines.native.communication import gradient_sums
 
     WHERE = False
 

@@ -1,4 +1,4 @@
-"""The gradient sums of replicated parameters (torchspmd/engines/native/gradient_sums.py):
+"""The gradient sums of replicated parameters (torchspmd/engines/native/communication/gradient_sums.py):
 DDP's buckets summed through shared memory on one machine, through gloo otherwise.
 
 The hook is driven here with stand-in buckets (what DDP hands it: ``buffer()``, ``index()``,
@@ -41,7 +41,7 @@ def _hook_sums(sizes, dtypes, steps: int, raise_first: bool):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from torchspmd.engines.native import gradient_sums
+    from torchspmd.engines.native.communication import gradient_sums
 
     group = tdist.group.WORLD
     params = [nn.Parameter(torch.zeros(n, dtype=DTYPES[d])) for n, d in zip(sizes, dtypes)]
@@ -101,7 +101,7 @@ def _hook_chosen():
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from torchspmd.engines.native import gradient_sums
+    from torchspmd.engines.native.communication import gradient_sums
 
     params = [nn.Parameter(torch.zeros(7))]
     ddp = DistributedDataParallel(nn.ParameterList(params), init_sync=False)
@@ -120,7 +120,7 @@ def _pattern1(shared: bool):
     import os
 
     import torchspmd as ts
-    from torchspmd.engines.native import data_parallel
+    from torchspmd.engines.native.wrappers import data_parallel
 
     os.environ["TORCHSPMD_SHARED_GRADIENTS"] = "1" if shared else "0"
     torch.manual_seed(0)

@@ -111,7 +111,7 @@ def test_seeded_program_reproduces_one_device(tmp_path):
 
 
 def _state_digest():
-    from torchspmd.engines.native.replicas import digest
+    from torchspmd.engines.native.communication.replicas import digest
 
     return digest(torch.get_rng_state())
 
@@ -239,7 +239,7 @@ def test_fsdpv2_shards_rank0s_values(dist, world):
 
 
 def test_digest_sees_every_bit():
-    from torchspmd.engines.native.replicas import digest
+    from torchspmd.engines.native.communication.replicas import digest
 
     t = torch.randn(1000)
     u = t.clone()

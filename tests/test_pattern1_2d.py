@@ -4,7 +4,7 @@
 The seed document's decoder (nn.MultiheadAttention, RMSNorm, an embedding, an MLP whose two
 weights are annotated the torch_xla way) failed in ``loss.backward()`` inside DTensor
 (``_StridedShard redistribute assumes no flattened transforms``): redistributions DTensor
-refuses are now done as a gather and a split (torchspmd/engines/native/redistribution.py), and
+refuses are now done as a gather and a split (torchspmd/engines/native/global_view/redistribution.py), and
 ``ts.explain`` lists where. Every run here trains STEPS steps on the same random global batches as
 the one-device oracle (_pattern1_models.oracle, plain PyTorch in a clean process) and must
 reproduce its losses, its gradients at every step and its final parameters (fp32: rtol 1e-5,
@@ -26,7 +26,7 @@ from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import torchspmd as ts
-from torchspmd.engines.native import redistribution
+from torchspmd.engines.native.global_view import redistribution
 
 RTOL, ATOL = 1e-5, 1e-6
 SHAPE = (2, 2)

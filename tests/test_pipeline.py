@@ -357,7 +357,7 @@ def test_the_stages_hold_what_is_registered_around_layers_without_parameters():
     """The modules registered after the last layer go with the last stage even when no layer
     holds a parameter (a parameter's place among the layers' is no guide then: the head went
     to the first stage, and the traced step refused it; found by tests/test_fuzz.py)."""
-    from torchspmd.engines.native.pipeline_stages import plan_stages
+    from torchspmd.engines.native.wrappers.pipeline_plan import plan_stages
 
     model = torch.nn.Sequential()
     model.add_module("fc_in", torch.nn.Linear(5, 6))

@@ -66,7 +66,7 @@ def _leave_state():
 def _state():
     import torchspmd as ts
     from torchspmd import patches
-    from torchspmd.engines.native import data_parallel
+    from torchspmd.engines.native.wrappers import data_parallel
 
     return ts.get_global_mesh(), data_parallel.set_auto_replicate(None), sorted(p.name for p in patches.active())
 

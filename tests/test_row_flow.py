@@ -1,4 +1,4 @@
-"""The rows' flow (torchspmd/engines/native/row_flow.py): on a forward traced with a symbolic
+"""The rows' flow (torchspmd/engines/native/global_view/row_flow.py): on a forward traced with a symbolic
 batch size, whether every output row is computed from its own input row alone. It may only
 err towards "not proven": every program of issue #57's table that mixes rows is refused with
 the operator (and the module) named; row-local programs, including real transformers
@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _row_mixing_programs import LAYERS, Model
 
-from torchspmd.engines.native.row_flow import MEAN, SUM
-from torchspmd.engines.native.row_locality import batch_size_proof
+from torchspmd.engines.native.global_view.row_flow import MEAN, SUM
+from torchspmd.engines.native.global_view.row_locality import batch_size_proof
 
 
 class Lambda(nn.Module):

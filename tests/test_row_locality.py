@@ -8,7 +8,7 @@ import sympy
 import torch
 import torch.nn as nn
 
-from torchspmd.engines.native.row_locality import batch_size_proof, row_local_layer
+from torchspmd.engines.native.global_view.row_locality import batch_size_proof, row_local_layer
 
 pytestmark = pytest.mark.smoke
 

@@ -1,6 +1,6 @@
 """FSDPv2 gives one device's result for programs whose wrapped model mixes the batch's rows
 (issue #57's table): the model computes on this process's rows only where that is proven
-(torchspmd/engines/native/unit_rows.py), else on the global view, and the decision with its
+(torchspmd/engines/native/global_view/unit_rows.py), else on the global view, and the decision with its
 reason is listed (``row_paths``, ``ts.explain``). The oracle is the same program on one plain
 process (tests/_row_mixing_programs.py, a clean process); batches of 7 rows: 4 + 3 over 2
 processes, 2 + 2 + 2 + 1 over 4."""

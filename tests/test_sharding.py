@@ -239,7 +239,7 @@ def test_writes_into_a_sharded_batch_are_one_devices(dist, world):
 
 
 def _repeated_views():
-    from torchspmd.engines.native import exact_ops
+    from torchspmd.engines.native.global_view import exact_ops
 
     n = ts.global_runtime_device_count()
     mesh = Mesh(np.arange(n), (n,), ("data",))

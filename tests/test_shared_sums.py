@@ -1,4 +1,4 @@
-"""Sums of a few numbers through shared memory (torchspmd/engines/native/shared_sums.py): the
+"""Sums of a few numbers through shared memory (torchspmd/engines/native/communication/shared_sums.py): the
 same values as gloo's all-reduce (integers exactly, floats as the rank-order float64 sum,
 the same bits on every process), many sums in flight around the ring, sums never waited
 for, a late process, the fall-back to the backend, a disagreement between the processes,
@@ -29,7 +29,7 @@ def _many(count: int, late: int):
     never); rank ``late`` starts each burst after some work of its own."""
     import torch.distributed as dist
 
-    from torchspmd.engines.native import shared_sums
+    from torchspmd.engines.native.communication import shared_sums
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -71,7 +71,7 @@ def _many(count: int, late: int):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sums_equal_gloo_with_the_ring_wrapping(dist, world):
-    from torchspmd.engines.native.shared_sums import RING
+    from torchspmd.engines.native.communication.shared_sums import RING
 
     out = dist(world).run(_many, 3 * RING + 5, world - 1)
     for mismatches, _ in out:
@@ -82,7 +82,7 @@ def test_sums_equal_gloo_with_the_ring_wrapping(dist, world):
 def _fallbacks():
     import torch.distributed as dist
 
-    from torchspmd.engines.native import shared_sums
+    from torchspmd.engines.native.communication import shared_sums
 
     rank = dist.get_rank()
     wide = torch.arange(shared_sums.WIDTH + 3, dtype=torch.float32) * (rank + 1) + 0.25
@@ -105,7 +105,7 @@ def test_wide_tensors_and_the_switch_go_to_the_backend(dist):
 def _subgroup():
     import torch.distributed as dist
 
-    from torchspmd.engines.native import shared_sums
+    from torchspmd.engines.native.communication import shared_sums
 
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -124,7 +124,7 @@ def test_subgroups_sum_over_their_own_processes(dist):
 _DISAGREE = """
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
-from torchspmd.engines.native import shared_sums
+from torchspmd.engines.native.communication import shared_sums
 rank = dist.get_rank()
 shared_sums.all_reduce(torch.ones(2)).wait()
 try:
@@ -188,7 +188,7 @@ def _without_shared_memory(how: str):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from torchspmd.engines.native import gradient_sums, shared_memory, shared_sums
+    from torchspmd.engines.native.communication import gradient_sums, shared_memory, shared_sums
 
     made = shared_memory.new_file
 

@@ -173,7 +173,7 @@ def test_sharding_strings_follow_xlas_text(api):
 
     import numpy as np
 
-    from torchspmd import hlo
+    from torchspmd.layouts import hlo
 
     spec = importlib.util.spec_from_file_location("sharding_cases", HERE / "sharding_cases.py")
     cases = importlib.util.module_from_spec(spec)

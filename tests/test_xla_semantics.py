@@ -232,7 +232,7 @@ def _shards(case):
 
 
 def torchspmd_compat_text(t):
-    from torchspmd.engines.native.sharded_view import sharding_string
+    from torchspmd.engines.native.global_view.sharded_view import sharding_string
 
     return sharding_string(t)
 

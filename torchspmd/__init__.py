@@ -67,7 +67,7 @@ from torchspmd.sharding import (
     visualize_tensor_sharding,
 )
 from torchspmd.version import __version__  # noqa: F401
-from torchspmd.xla_shards import ShardingType, XLAShard
+from torchspmd.layouts.xla_shards import ShardingType, XLAShard
 
 __all__ = [
     "SpmdError",

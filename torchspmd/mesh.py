@@ -16,7 +16,7 @@ import numpy as np
 
 from torchspmd import engines, runtime
 from torchspmd.errors import SpmdError
-from torchspmd.mesh_layouts import hybrid_layout
+from torchspmd.layouts.mesh_layouts import hybrid_layout
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
 

@@ -1,5 +1,5 @@
 """``--xla-compat`` against torch_xla itself (this environment has it): the layer's HLO
-sharding text (``torchspmd.hlo``, what ``torch_xla._XLAC._get_xla_sharding_spec``
+sharding text (``torchspmd.layouts.hlo``, what ``torch_xla._XLAC._get_xla_sharding_spec``
 returns under the switch) equals torch_xla's own for the cases of
 tests/xla_compat/sharding_cases.py; and with torch_xla installed, the switch says that it
 shadows it."""
@@ -30,7 +30,7 @@ def _cases():
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}{c[1]}{c[2]}{c[4]}")
 def test_layer_text_equals_torch_xlas(ts, case):
-    from torchspmd import hlo
+    from torchspmd.layouts import hlo
 
     shape, names, ids, tshape, spec = case
     mesh = xs.Mesh(np.array(ids), shape, names)

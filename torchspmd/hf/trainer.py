@@ -61,7 +61,7 @@ from transformers.trainer import (
 from transformers.trainer_pt_utils import get_module_class_from_name
 
 from torchspmd import checkpoint_files, optimizer_state, runtime
-from torchspmd.blocks import chunk
+from torchspmd.layouts.blocks import chunk
 from torchspmd.data import shard_batch
 from torchspmd.errors import SpmdError
 from torchspmd.hf.fsdp_v2 import shard_by_tp_plan, unwrap_peft

@@ -57,10 +57,10 @@ class SpmdFullyShardedDataParallel(abc.ABC):
         cpu_offload: keep the shards (and their gradients and optimizer state) in CPU memory.
         collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
             where they are faster; FSDP2's own on NCCL), ``"native"``, ``"allreduce"`` or
-            ``"shm"`` (``torchspmd/engines/native/collectives.py``).
+            ``"shm"`` (``torchspmd/engines/native/communication/collectives.py``).
         strict_sharding: refuse (``SpmdError``) a parameter annotated over a non-data axis
             that cannot compute tensor-parallel and would be gathered whole (by default a
-            ``GatheredWholeWarning`` names it); see ``torchspmd/engines/native/tensor_parallel.py``.
+            ``GatheredWholeWarning`` names it); see ``torchspmd/engines/native/wrappers/tensor_parallel.py``.
         compile: ``torch.compile`` each wrapped block's ``forward`` (True, or a dict of
             ``torch.compile`` options); the root module too when nothing is wrapped below
             it. FSDP2's gathering and reducing stay outside the compiled code.
@@ -68,7 +68,7 @@ class SpmdFullyShardedDataParallel(abc.ABC):
             DDP's semantics: a statistic over the batch is each process's own). By default
             the model computes on this process's rows only where that is proven to give one
             device's result, else every process computes the whole batch (the global view;
-            ``torchspmd/engines/native/unit_rows.py``); ``ts.explain`` lists which.
+            ``torchspmd/engines/native/global_view/unit_rows.py``); ``ts.explain`` lists which.
     """
 
     def __new__(

@@ -5,10 +5,11 @@ XLA's runtime, compiler and IR, which the native engine does not have."""
 
 from __future__ import annotations
 
-from torchspmd import engines, hlo, runtime
+from torchspmd import engines, runtime
+from torchspmd.layouts import hlo
 from torchspmd.compat import xla_tensors
 from torchspmd.compat.stand_ins import not_provided
-from torchspmd.xla_shards import ShardingType
+from torchspmd.layouts.xla_shards import ShardingType
 
 
 def _get_xla_sharding_spec(t) -> str:

@@ -23,13 +23,15 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils.data import DataLoader, IterableDataset
 
 from torchspmd import accelerators
-from torchspmd.blocks import block_of
-from torchspmd.blocks import chunk as _chunk
-from torchspmd.blocks import contiguous_stride as _contiguous_stride
-from torchspmd.engines.native import early_reductions as _early
-from torchspmd.engines.native import cpu_shortcuts, global_mode, sharding
-from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.engines.native.sharding import coordinate
+from torchspmd.layouts.blocks import block_of
+from torchspmd.layouts.blocks import chunk as _chunk
+from torchspmd.layouts.blocks import contiguous_stride as _contiguous_stride
+from torchspmd.engines.native.global_view import early_reductions as _early
+from torchspmd.engines.native.communication import cpu_shortcuts
+from torchspmd.engines.native.global_view import sharding
+from torchspmd.engines.native.start import global_mode
+from torchspmd.engines.native.start.device_mesh import device_mesh
+from torchspmd.engines.native.global_view.sharding import coordinate
 from torchspmd.errors import SpmdError
 
 __all__ = ["MpDeviceLoader", "shard_batch"]
@@ -398,7 +400,7 @@ def _shard_batch(batch, layout: _Layout, device: torch.device, n: int, global_ro
                  counts: _early.BatchCounts):
     """Batch ``n`` as global DTensors. ``global_rows``: the batch holds only this
     process's rows of a batch of that many; None: it holds the whole batch. ``counts``:
-    where each integer tensor's ignored entries are counted (``torchspmd.engines.native.early_reductions``)."""
+    where each integer tensor's ignored entries are counted (``torchspmd.engines.native.global_view.early_reductions``)."""
     if isinstance(layout.sharding, dict):
         if not isinstance(batch, Mapping):
             raise ValueError(

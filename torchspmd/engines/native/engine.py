@@ -18,31 +18,32 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from torchspmd import accelerators, hlo, patches, sharding_table
+from torchspmd import accelerators, patches
+from torchspmd.layouts import hlo, sharding_table
 from torchspmd.engines.base import Capabilities, Engine
-from torchspmd.engines.native import (
-    activation_checkpointing,
-    data,
-    data_parallel,
+from torchspmd.engines.native import data, state
+from torchspmd.engines.native.communication import shared_sums
+from torchspmd.engines.native.global_view import (
     exact_ops,
-    fsdp,
     implicit_replication,
     module_edges,
     module_slots,
     optimizer_steps,
-    pipeline_stages,
     redistribution,
-    rng,
     sharded_view,
     sharding,
-    shared_sums,
-    state,
-    topology,
+)
+from torchspmd.engines.native.start import rng, topology
+from torchspmd.engines.native.wrappers import (
+    activation_checkpointing,
+    data_parallel,
+    fsdp,
+    pipeline_runner,
     unwrapped_tensor_parallel,
 )
-from torchspmd.engines.native.collectives import CHOICES
-from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.launch import failures, launcher
+from torchspmd.engines.native.communication.collectives import CHOICES
+from torchspmd.engines.native.start.device_mesh import device_mesh
+from torchspmd.launch import environment, failures, launcher
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 from torchspmd.patches import torch as torch_patches
@@ -98,7 +99,7 @@ class NativeEngine(Engine):
                 "not support it: annotate shardings with mark_sharding / FSDPv2 instead"
             )
         _require_supported_torch(backend)
-        if not topology.launched() and not dist.is_initialized():
+        if not environment.launched() and not dist.is_initialized():
             n = topology.configured_processes(backend, num_devices)
             if n > 1:
                 raise SystemExit(launcher.relaunch_current_script(n))
@@ -113,7 +114,7 @@ class NativeEngine(Engine):
         rng.synchronize(backend)
         # every patch the engine applies, now or later mid-run, checked before any step
         patches.verify(PATCHES)
-        if dist.get_rank() != 0 and not topology.all_ranks_output():
+        if dist.get_rank() != 0 and not environment.all_ranks_output():
             # The global view: the program prints once, as one process would.
             silence_output()
         module_slots.install()
@@ -130,7 +131,7 @@ class NativeEngine(Engine):
         if dist.is_initialized():
             return
         pg_backend = accelerators.pg_spec(backend)  # ('gloo'; 'cpu:gloo,cuda:nccl'; a device's own)
-        if topology.launched():
+        if environment.launched():
             dist.init_process_group(pg_backend)
         else:
             dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -159,7 +160,7 @@ class NativeEngine(Engine):
         return topology.world_size()
 
     def planned_processes(self, backend: str, num_devices: int | None) -> int:
-        if topology.launched():
+        if environment.launched():
             return int(os.environ["WORLD_SIZE"])
         return topology.configured_processes(backend, num_devices)
 
@@ -191,7 +192,11 @@ class NativeEngine(Engine):
 
     # -- sharding ------------------------------------------------------------------------------
     def mark_sharding(self, t, mesh, spec, resolved):
-        return sharding.mark_sharding(t, mesh, resolved)
+        out = sharding.mark_sharding(t, mesh, resolved)
+        if t.is_leaf:  # (in place: every module slot holding t holds out)
+            for owner, _name, _kind in module_slots.live_slots(out):
+                unwrapped_tensor_parallel.install_for(owner)  # Pattern 1: Megatron's layouts at its edges
+        return out
 
     def result_taken(self, marked):
         return module_edges.taken_by_wrapper(marked)
@@ -207,7 +212,7 @@ class NativeEngine(Engine):
         return data_parallel.auto_path(module)
 
     def is_pipelined(self, model):
-        return pipeline_stages.is_split(model)
+        return pipeline_runner.is_split(model)
 
     def tensor_parallel_layout(self, module):
         return unwrapped_tensor_parallel.laid_out(module)
@@ -263,7 +268,7 @@ class NativeEngine(Engine):
         return data_parallel.replicate(module, mesh, data_dims, shard_output, ddp_kwargs)
 
     def pipeline(self, model, mesh, axis, layers, microbatches, schedule, example_inputs):
-        return pipeline_stages.PipelineRunner(model, mesh, axis, layers, microbatches, schedule, example_inputs)
+        return pipeline_runner.PipelineRunner(model, mesh, axis, layers, microbatches, schedule, example_inputs)
 
     def fully_shard(self, module, mesh, shard_output, auto_wrap_policy, auto_wrapper_callable, extra_data_axis,
                     options):

@@ -33,11 +33,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from torchspmd import hlo, state_keys
+from torchspmd import state_keys
+from torchspmd.layouts import hlo
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.errors import SpmdError
 from torchspmd.launch.environment import ENV_NUM_DEVICES, parse_count
-from torchspmd.mesh_layouts import hybrid_layout
+from torchspmd.layouts.mesh_layouts import hybrid_layout
 
 PJRT_DEVICE = "PJRT_DEVICE"  # torch_xla's switch: set (with torch_xla installed) chooses this engine
 INSTALL = (

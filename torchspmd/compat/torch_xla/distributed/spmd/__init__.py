@@ -28,7 +28,7 @@ from torchspmd.sharding import (  # noqa: F401
 )
 from torchspmd.compat.torch_xla.distributed.spmd.xla_sharded_tensor import XLAShardedTensor  # noqa: F401
 from torchspmd.sharding import clear_sharding as _clear_sharding
-from torchspmd.xla_shards import ShardingType, XLAShard  # noqa: F401
+from torchspmd.layouts.xla_shards import ShardingType, XLAShard  # noqa: F401
 
 
 def clear_sharding(t):

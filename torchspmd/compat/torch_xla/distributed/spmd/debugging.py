@@ -3,7 +3,8 @@
 
 import torch
 
-from torchspmd import engines, hlo, runtime, sharding_table
+from torchspmd import engines, runtime
+from torchspmd.layouts import hlo, sharding_table
 from torchspmd.compat.stand_ins import not_provided
 
 

@@ -26,7 +26,7 @@ from torchspmd.compat.stand_ins import not_provided
 from torchspmd.mesh import Mesh, get_global_mesh
 from torchspmd.runtime import global_runtime_device_count
 from torchspmd.sharding import mark_sharding
-from torchspmd.xla_shards import XLAShard  # noqa: F401
+from torchspmd.layouts.xla_shards import XLAShard  # noqa: F401
 
 __all__ = ["XLAShardedTensor", "XLAShard"]
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from torchspmd.engines.native.module_edges import in_local_compute
+from torchspmd.engines.native.global_view.module_edges import in_local_compute
 
 __all__ = ["MODEL_AXIS", "install_for", "laid_out", "style_of"]
 

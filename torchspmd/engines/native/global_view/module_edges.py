@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torchspmd.blocks import chunk as _chunk
-from torchspmd.blocks import contiguous_stride as _contiguous_stride
-from torchspmd.engines.native import rng as _rng
+from torchspmd.layouts.blocks import chunk as _chunk
+from torchspmd.layouts.blocks import contiguous_stride as _contiguous_stride
+from torchspmd.engines.native.start import rng as _rng
 from torchspmd.errors import SpmdError
 from torchspmd.tree import map_tensors, walk_tensors
 
@@ -198,7 +198,7 @@ def in_local_compute() -> bool:
 def local_rows_stream(layout: BatchLayout | None, data_dims: list[int]):
     """The local compute of a wrapped module. Random operations on this process's rows
     (dropout) draw from the rows' own stream, not the one every process shares (see
-    torchspmd/engines/native/rng.py); without a batch every process computes the same and shares it."""
+    torchspmd/engines/native/start/rng.py); without a batch every process computes the same and shares it."""
     if not in_local_compute():
         _rng.discard_split_stream()
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1

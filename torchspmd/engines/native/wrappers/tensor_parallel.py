@@ -39,9 +39,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from torchspmd.engines.native import rng as _rng
-from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.engines.native.module_edges import in_local_compute
+from torchspmd.engines.native.start import rng as _rng
+from torchspmd.engines.native.start.device_mesh import device_mesh
+from torchspmd.engines.native.global_view.module_edges import in_local_compute
 from torchspmd.errors import SpmdError
 from torchspmd.patches import torch as torch_patches
 

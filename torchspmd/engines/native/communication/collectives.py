@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from torchspmd import accelerators
-from torchspmd.engines.native import cpu_shortcuts, shared_memory
+from torchspmd.engines.native.communication import cpu_shortcuts, shared_memory
 from torchspmd.errors import SpmdError
 from torchspmd.patches import fsdp as fsdp_patches
 

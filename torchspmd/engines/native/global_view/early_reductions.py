@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from torchspmd.engines.native import global_mode, shared_sums
+from torchspmd.engines.native.communication import shared_sums
+from torchspmd.engines.native.start import global_mode
 from torchspmd.errors import SpmdError
 
 IGNORE_INDEX = -100

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from torchspmd.engines.native.row_flow import (
+from torchspmd.engines.native.global_view.row_flow import (
     Flow,
     Mixes,
     Rows,

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import collectives, cpu_shortcuts, shared_memory, shared_sums
+from torchspmd.engines.native.communication import collectives, cpu_shortcuts, shared_memory, shared_sums
 
 SWITCH = "TORCHSPMD_SHARED_GRADIENTS"  # "0": the group backend's all-reduce
 

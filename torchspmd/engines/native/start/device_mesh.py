@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchspmd.engines.native import topology
+from torchspmd.engines.native.start import topology
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
 

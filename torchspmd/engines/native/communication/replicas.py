@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torchspmd import accelerators
-from torchspmd.engines.native import cpu_shortcuts
+from torchspmd.engines.native.communication import cpu_shortcuts
 
 _CHUNK = 1 << 20  # bytes digested at a time (bounds the temporary memory: about 16 MB)
 _PRIME = 1_000_003

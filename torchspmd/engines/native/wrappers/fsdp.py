@@ -24,12 +24,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchspmd import accelerators, state_keys
-from torchspmd.engines.native import global_mode, pair_proofs, replicas, sharding, tensor_parallel, unit_rows
-from torchspmd.engines.native import replaced_parameters as _stale
-from torchspmd.engines.native.collectives import install as install_collectives
-from torchspmd.engines.native.device_mesh import device_mesh
+from torchspmd.engines.native.communication import replicas
+from torchspmd.engines.native.global_view import sharding, unit_rows
+from torchspmd.engines.native.start import global_mode
+from torchspmd.engines.native.wrappers import pair_proofs, tensor_parallel
+from torchspmd.engines.native.global_view import replaced_parameters as _stale
+from torchspmd.engines.native.communication.collectives import install as install_collectives
+from torchspmd.engines.native.start.device_mesh import device_mesh
 from torchspmd.launch.host import release_freed_memory
-from torchspmd.engines.native.module_edges import (
+from torchspmd.engines.native.global_view.module_edges import (
     BatchLayout,
     inputs_to_local,
     local_rows_stream,

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchspmd.engines.native import cpu_shortcuts, global_mode, shared_memory
+from torchspmd.engines.native.communication import cpu_shortcuts, shared_memory
+from torchspmd.engines.native.start import global_mode
 from torchspmd.errors import PeerLost, SpmdError
 
 RING = 64

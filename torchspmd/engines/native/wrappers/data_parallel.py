@@ -32,9 +32,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchspmd import accelerators, patches
-from torchspmd.engines.native import global_mode, gradient_sums, row_locality
-from torchspmd.engines.native.device_mesh import device_mesh
-from torchspmd.engines.native.module_edges import (
+from torchspmd.engines.native.communication import gradient_sums
+from torchspmd.engines.native.global_view import row_locality
+from torchspmd.engines.native.start import global_mode
+from torchspmd.engines.native.start.device_mesh import device_mesh
+from torchspmd.engines.native.global_view.module_edges import (
     inputs_to_local,
     local_rows_stream,
     outputs_to_global,

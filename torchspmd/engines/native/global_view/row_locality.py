@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from torchspmd.engines.native.row_flow import row_flow, where
+from torchspmd.engines.native.global_view.row_flow import row_flow, where
 from torchspmd.tree import walk_tensors
 
 __all__ = ["ROW_LOCAL_LAYERS", "BatchSizeProof", "batch_size_proof", "row_local_layer", "trace_forward"]

@@ -1,4 +1,5 @@
-"""Pipeline stages over a mesh axis, on ``torch.distributed.pipelining``.
+"""Pipeline stages over a mesh axis, on ``torch.distributed.pipelining``: the runner (the plan is
+``pipeline_plan``, the edits of the traced graph ``pipeline_graphs``).
 
 The model is traced (``torch.distributed.pipelining.pipeline``, through ``torch.export``) with
 one micro-batch of the step's inputs and cut before the modules that begin each stage; the
@@ -19,7 +20,6 @@ import functools
 import math
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -29,88 +29,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torchspmd.engines.native import device_mesh as device_meshes
-from torchspmd.engines.native import replicas, row_locality, topology
+from torchspmd.engines.native.start import device_mesh as device_meshes
+from torchspmd.engines.native.communication import replicas
+from torchspmd.engines.native.global_view import row_locality
+from torchspmd.engines.native.start import topology
+from torchspmd.engines.native.wrappers import pipeline_graphs, pipeline_plan
 from torchspmd.errors import SpmdError
 from torchspmd.pipeline_schedules import SCHEDULES
 
-__all__ = ["SCHEDULES", "StagePlan", "PipelineRunner", "plan_stages", "is_split"]
-
-#: schedule name -> (torch.distributed.pipelining class, stages per process)
-@dataclass(frozen=True)
-class StagePlan:
-    """Which module names begin each stage after the first, and which parameters (by name,
-    as the model names them) each stage holds."""
-
-    starts: tuple[str, ...]
-    params: tuple[tuple[str, ...], ...]
-    #: the number of the model's parameters (elements) in each stage, for balance reports
-    sizes: tuple[int, ...]
-
-
-def _parent_and_leaf(root: nn.Module, name: str):
-    *path, leaf = name.split(".")
-    mod = root
-    for p in path:
-        mod = getattr(mod, p)
-    return mod, leaf
-
-
-def plan_stages(model: nn.Module, num_stages: int, layers: list[str]) -> StagePlan:
-    """Cut ``model`` into ``num_stages`` runs of the consecutive modules ``layers`` (names, in
-    the model's order), balanced by parameter count; the modules registered before the first
-    layer belong to the first stage, those after the last to the last stage."""
-    if len(layers) < num_stages:
-        raise SpmdError(f"pipeline(split=...): {num_stages} stages need at least {num_stages} split points "
-                        f"(layers); the model has {len(layers)}: use fewer stages on the 'pipeline' axis")
-    size_of = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in layers}
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-
-    def owner(pname: str) -> str | None:
-        for layer in layers:
-            if pname.startswith(layer + "."):
-                return layer
-        return None
-
-    # before or after the layers by the order the modules are registered in (the layers
-    # may hold no parameters at all: a parameter's place among the layers' is no guide then)
-    modules = [n for n, _ in model.named_modules(remove_duplicate=False)]
-    first_layer_at = modules.index(layers[0])
-
-    def before(pname: str) -> bool:
-        return modules.index(pname.rpartition(".")[0]) < first_layer_at
-
-    pre = sum(model.get_parameter(n).numel() for n in names if owner(n) is None and before(n))
-    post = sum(model.get_parameter(n).numel() for n in names if owner(n) is None and not before(n))
-    # cumulative size at the start of each layer, the first stage's extra modules included
-    cum = [pre]
-    for n in layers:
-        cum.append(cum[-1] + size_of[n])
-    total = cum[-1] + post
-    starts_at = []
-    lo = 1
-    for k in range(1, num_stages):
-        target = total * k / num_stages
-        hi = len(layers) - (num_stages - k)  # leave a layer for each later stage
-        best = min(range(lo, hi + 1), key=lambda i: (abs(cum[i] - target), i))
-        starts_at.append(best)
-        lo = best + 1
-    bounds = [0, *starts_at, len(layers)]
-    stage_of_layer = {layers[i]: k for k in range(num_stages) for i in range(bounds[k], bounds[k + 1])}
-    params: list[list[str]] = [[] for _ in range(num_stages)]
-    for n in names:
-        layer = owner(n)
-        k = stage_of_layer[layer] if layer is not None else (0 if before(n) else num_stages - 1)
-        params[k].append(n)
-    sizes = []
-    for k in range(num_stages):
-        seen = {}
-        for n in params[k]:
-            p = model.get_parameter(n)
-            seen[id(p)] = p.numel()
-        sizes.append(sum(seen.values()))
-    return StagePlan(tuple(layers[i] for i in starts_at), tuple(tuple(p) for p in params), tuple(sizes))
-
+__all__ = ["PipelineRunner", "is_split"]
 
 def _pipelining():
     """``torch.distributed.pipelining``, imported when a model is first split (it takes
@@ -183,7 +110,7 @@ class PipelineRunner:
         if per_process > 1 and microbatches % self.degree:
             raise SpmdError(f"pipeline(microbatches={microbatches}): the {schedule} schedule needs a multiple of the "
                             f"'{axis}' axis's {self.degree} processes")
-        self.plan = plan_stages(model, self.num_stages, layers)
+        self.plan = pipeline_plan.plan_stages(model, self.num_stages, layers)
         #: the stages this process runs (stage k on the process at position k % degree)
         self.stage_indices = [k for k in range(self.num_stages) if k % self.degree == self.position]
         mine = {n for k in self.stage_indices for n in self.plan.params[k]}
@@ -365,7 +292,7 @@ class PipelineRunner:
                             f"{self.num_stages}: a split point the forward pass does not reach")
         if SCHEDULES[self.schedule_name][1] > 1:
             # (the single-stage schedules send a value straight to any later stage)
-            _relay_skip_connections(pipe.split_gm)
+            pipeline_graphs.relay_skip_connections(pipe.split_gm)
         # Every process traced every stage: each checks them all, so that a stage's parameter
         # registered with another stage's modules is the same error on every process (a check of
         # this process's stages alone left the others waiting for it in the schedule).
@@ -386,13 +313,13 @@ class PipelineRunner:
             sub = pipe.get_stage_module(k)
             for n, p in list(sub.named_parameters(remove_duplicate=False)):
                 original = self.model.get_parameter(n)
-                parent, leaf = _parent_and_leaf(sub, n)
+                parent, leaf = pipeline_plan.parent_and_leaf(sub, n)
                 if getattr(parent, leaf) is not original:
                     parent.register_parameter(leaf, original)  # the model's own parameter
             sub.train(self.model.training)
             if self.tp is not None:
-                _drop_metadata_checks(sub)
-                _reduce_lookups_at_once(sub)
+                pipeline_graphs.drop_metadata_checks(sub)
+                pipeline_graphs.reduce_lookups_at_once(sub)
                 sub.register_forward_hook(_plain_outputs)
                 # its whole parameters are replicas over 'model' (and over nothing else): checked there, so
                 # that meeting the split weights does not check them over every process
@@ -679,103 +606,6 @@ def _ordered(names, held, others, parts) -> list[str]:
     return before + parts + after
 
 
-def _stage_calls(graph) -> dict:
-    """The traced split's top-level stage calls: node -> stage index."""
-    import re
-
-    calls = {}
-    for node in graph.nodes:  # (torch names them submod_<k>, or submod_pp_<k> on newer versions)
-        found = re.fullmatch(r"submod_(?:[a-z]+_)?(\d+)", node.target) if node.op == "call_module" else None
-        if found:
-            calls[node] = int(found.group(1))
-    return calls
-
-
-def _source_call(node):
-    """The stage call whose output ``node`` is (through getitem), or None."""
-    import operator
-
-    while node.op == "call_function" and node.target is operator.getitem:
-        node = node.args[0]
-    return node if node.op == "call_module" else None
-
-
-def _relay_skip_connections(split_gm) -> None:
-    """Make every value a stage sends to a stage two or more further on travel through the
-    stages between instead (each takes it as an input and returns a copy as one more
-    output): torch's schedules with several stages per process send only between adjacent
-    stages. A transformers decoder's rotary position embeddings, computed once before the
-    layers, are such values. The values and their gradients are the same: a copy passes the
-    gradient back unchanged."""
-
-    graph = split_gm.graph
-    calls = _stage_calls(graph)
-    by_index = {k: node for node, k in calls.items()}
-    relayed: dict = {}  # (value node, stage) -> the node of that stage's output carrying it
-    changed = False
-    for dst in sorted(by_index):
-        call = by_index[dst]
-        dst_inputs = [n for n in split_gm.get_submodule(call.target).graph.nodes if n.op == "placeholder"]
-        for i, arg in enumerate(list(call.args)):
-            source = _source_call(arg) if hasattr(arg, "op") else None
-            if source is None or dst - calls[source] <= 1:
-                continue
-            value = arg
-            for k in range(calls[source] + 1, dst):
-                key = (arg, k)
-                if key not in relayed:
-                    relayed[key] = _relay_through(split_gm, by_index[k], value, dst_inputs[i].meta)
-                value = relayed[key]
-            args = list(call.args)  # (as a relay left them: a stage's whole output may now be its item 0)
-            args[i] = value
-            call.args = tuple(args)
-            changed = True
-    if changed:
-        graph.lint()
-        split_gm.recompile()
-
-def _relay_through(split_gm, call, value, meta: dict):
-    """Stage ``call`` takes ``value`` (a top-level node) as an input, unless it already does,
-    and returns a copy of it as its last output; returns the top-level node of that output."""
-    import operator
-
-    import torch.fx as fx
-
-    graph = split_gm.graph
-    sub = split_gm.get_submodule(call.target)
-    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    if value in call.args:
-        held = inputs[list(call.args).index(value)]
-    else:
-        with sub.graph.inserting_after(inputs[-1]):
-            held = sub.graph.placeholder(f"relayed_{value.name}")
-        held.meta = dict(meta)
-        call.args = (*call.args, value)
-    output = next(n for n in sub.graph.nodes if n.op == "output")
-    with sub.graph.inserting_before(output):
-        copy = sub.graph.call_function(torch.ops.aten.clone.default, (held,))
-    copy.meta = dict(meta)
-    outs = output.args[0]
-    several = isinstance(outs, (tuple, list))
-    output.args = ((*outs, copy) if several else (outs, copy),)
-    sub.graph.lint()
-    sub.recompile()
-    getitems = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
-    if not several:  # its one output was used whole: now item 0 of two
-        users = list(call.users)
-        with graph.inserting_after(call):
-            first = graph.call_function(operator.getitem, (call, 0))
-        for u in users:
-            u.replace_input_with(call, first)
-        getitems, count = [first], 1
-    else:
-        count = len(outs)
-    # (torch's stage numbers its outputs by the order of these getitem nodes: this one last)
-    last = max(getitems, key=lambda n: list(graph.nodes).index(n)) if getitems else call
-    with graph.inserting_after(last):
-        out: fx.Node = graph.call_function(operator.getitem, (call, count))
-    return out
-
 def _no_outputs(schedule) -> dict:
     """``return_outputs=False`` where the schedule's ``step`` takes it."""
     import inspect
@@ -809,7 +639,7 @@ def _onto_stage_meshes(model: nn.Module, mesh, dm, tp) -> None:
     compute with: a weight split over 'model' becomes a DTensor over the 'model' axis alone,
     holding its block of that split (its split over 'fsdp', if annotated, is FSDP's part and
     over the pipeline axis it is whole); any other annotated parameter becomes whole."""
-    from torchspmd.engines.native.replaced_parameters import mark_replaced
+    from torchspmd.engines.native.global_view.replaced_parameters import mark_replaced
 
     made: dict = {}
     for module, leaf, p in _slots(model):
@@ -854,72 +684,6 @@ def _plain_stand_ins(model: nn.Module):
     finally:
         for module, leaf, p in swapped:
             module._parameters[leaf] = p
-
-def _edit_graphs(stage: nn.Module, edit: Callable[[torch.fx.Graph], bool]) -> None:
-    """Apply ``edit`` to each graph of a stage's modules (the stage's and its outlined
-    submodules'); a graph it changed (``edit`` returns True) is regenerated."""
-    for m in stage.modules():
-        graph = getattr(m, "graph", None)
-        if isinstance(graph, torch.fx.Graph) and edit(graph):
-            if isinstance(m, torch.fx.GraphModule):
-                m.recompile()
-            elif callable(getattr(m, "finalize", None)):  # torch.export's InterpreterModule
-                m.finalize()
-
-def _drop_metadata_checks(stage: nn.Module) -> None:
-    """Remove the trace's ``aten._assert_tensor_metadata`` nodes (checks of a tensor's dtype
-    and device, results unused) from a stage's graphs: DTensor has no rule for them, and the
-    stage computes with DTensors where weights are split over 'model'."""
-    check = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
-    if check is None:
-        return
-
-    def drop(graph) -> bool:
-        found = [n for n in graph.nodes if n.op == "call_function" and n.target is check.default and not n.users]
-        for node in found:
-            graph.erase_node(node)
-        return bool(found)
-
-    _edit_graphs(stage, drop)
-
-class _Summed(torch.autograd.Function):
-    """A DTensor with pending sums carried out; its gradient whole (pending sums of the
-    gradient carried out too), which an embedding lookup's backward takes for any table
-    layout (the gradient of a table split by vocabulary is then laid out as the table by
-    ``_gradients_laid_out_as_parameters``)."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
-
-    @staticmethod
-    def backward(ctx, grad):
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
-        return grad
-
-def _whole_if_partial(t):
-    """``t`` with a pending sum over 'model' carried out (an embedding split by vocabulary)."""
-    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-        return _Summed.apply(t)
-    return t
-
-def _reduce_lookups_at_once(stage: nn.Module) -> None:
-    """After each embedding lookup of a stage's graphs, its pending sum is carried out: a
-    lookup in a table split by vocabulary leaves each process's rows masked and a sum
-    pending, whose mask DTensor keeps for one reduction only, and the traced graph may use
-    the lookup twice (transformers' decoders: the residual and the norm)."""
-
-    def reduce(graph) -> bool:
-        found = [n for n in graph.nodes
-                 if n.op == "call_function" and n.target is torch.ops.aten.embedding.default and n.users]
-        for node in found:
-            with graph.inserting_after(node):
-                whole = graph.call_function(_whole_if_partial, (node,))
-            node.replace_all_uses_with(whole, delete_user_cb=lambda user, whole=whole: user is not whole)
-        return bool(found)
-
-    _edit_graphs(stage, reduce)
 
 def _is_unit(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 unit (``fully_shard`` made its class a subclass of FSDPModule)."""

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchspmd import accelerators
-from torchspmd.launch.environment import (ALL_RANKS_OUTPUT, ENV_NUM_DEVICES, XLA_CPU_NUM_DEVICES, all_ranks_output,
-                                         launched, parse_count)
+from torchspmd.launch.environment import ENV_NUM_DEVICES, XLA_CPU_NUM_DEVICES, launched, parse_count
 from torchspmd.errors import SpmdError
 
 _STATE = {"device_type": None}

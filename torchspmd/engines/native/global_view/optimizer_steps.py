@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchspmd.engines.native.global_mode import resume, suspend
+from torchspmd.engines.native.start.global_mode import resume, suspend
 from torchspmd.patches import torch as torch_patches
 
 

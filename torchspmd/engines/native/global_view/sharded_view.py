@@ -30,12 +30,13 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from torchspmd import hlo
-from torchspmd.blocks import block_of, tile_shape
-from torchspmd.engines.native import flat_tiling, topology
+from torchspmd.layouts import hlo
+from torchspmd.layouts.blocks import block_of, tile_shape
+from torchspmd.engines.native.global_view import flat_tiling
+from torchspmd.engines.native.start import topology
 from torchspmd.errors import SpmdError
 from torchspmd.patches import dtensor as dtensor_patches
-from torchspmd.xla_shards import ShardingType, XLAShard
+from torchspmd.layouts.xla_shards import ShardingType, XLAShard
 
 __all__ = ["install", "sharding_string", "sharding_type"]
 
@@ -110,7 +111,7 @@ def _load_local_shards_(t: DTensor, shards: list) -> DTensor:
 
 
 def sharding_string(t) -> str:
-    """XLA's HLO sharding text for ``t`` (``torchspmd.hlo``): ``''`` for a plain tensor, else
+    """XLA's HLO sharding text for ``t`` (``torchspmd.layouts.hlo``): ``''`` for a plain tensor, else
     its DTensor layout on the whole mesh (a DTensor on a sub-mesh, as FSDP keeps its
     parameters, is replicated over the other axes of the mesh it was cut from). A pending
     reduction (``Partial``) reads as replicated: its value, once reduced, is the same on

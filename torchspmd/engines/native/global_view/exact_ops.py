@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchspmd.blocks import contiguous_stride as _contiguous_stride
-from torchspmd.engines.native import early_reductions, rng
-from torchspmd.engines.native.implicit_replication import replicated
+from torchspmd.layouts.blocks import contiguous_stride as _contiguous_stride
+from torchspmd.engines.native.global_view import early_reductions
+from torchspmd.engines.native.start import rng
+from torchspmd.engines.native.global_view.implicit_replication import replicated
 from torchspmd.patches import dtensor as dtensor_patches
 
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ import functools
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from torchspmd.engines.native import rng as _rng
+from torchspmd.engines.native.start import rng as _rng
 
 _CLASSES: dict[type, type] = {}
 

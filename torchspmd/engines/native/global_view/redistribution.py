@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from torchspmd.engines.native import flat_tiling
+from torchspmd.engines.native.global_view import flat_tiling
 from torchspmd.patches import dtensor as dtensor_patches
 
 __all__ = ["Fallback", "RedistributionFallbackWarning", "redistribute", "watching", "seen", "install"]

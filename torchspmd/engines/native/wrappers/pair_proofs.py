@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchspmd.engines.native import feature_flow, row_locality
-from torchspmd.engines.native.tensor_parallel import PairGroup
-from torchspmd.engines.native.unit_rows import kind_text, traceable
+from torchspmd.engines.native.global_view import feature_flow, row_locality
+from torchspmd.engines.native.wrappers.tensor_parallel import PairGroup
+from torchspmd.engines.native.global_view.unit_rows import kind_text, traceable
 
 __all__ = ["PairProofs", "pair_groups"]
 

@@ -23,15 +23,9 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchspmd.blocks import block_of, contiguous_stride, tile_shape
-from torchspmd.engines.native import (
-    flat_tiling,
-    module_edges,
-    module_slots,
-    replaced_parameters,
-    unwrapped_tensor_parallel,
-)
-from torchspmd.engines.native.device_mesh import device_mesh
+from torchspmd.layouts.blocks import block_of, contiguous_stride, tile_shape
+from torchspmd.engines.native.global_view import flat_tiling, module_edges, module_slots, replaced_parameters
+from torchspmd.engines.native.start.device_mesh import device_mesh
 from torchspmd.errors import ShardingStateError, SpmdError
 
 _MADE_BY_FSDP = ("mark_sharding: this parameter was made by FSDPv2 (its shard of a parameter); annotate the model's "
@@ -93,8 +87,6 @@ def mark_sharding(t: torch.Tensor, mesh, resolved) -> DTensor:
         # In place, as torch_xla: every module slot holding `t` (a parameter or a buffer)
         # now holds the sharded tensor, so the result need not be assigned back.
         module_slots.replace(t, out)
-        for owner, _name, _kind in module_slots.live_slots(out):
-            unwrapped_tensor_parallel.install_for(owner)  # Pattern 1: Megatron's layouts at its edges
     return out
 
 

@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from torchspmd.blocks import block_of
-from torchspmd.engines.native import device_mesh as meshes
+from torchspmd.layouts.blocks import block_of
+from torchspmd.engines.native.start import device_mesh as meshes
 
 
 class Tiling:

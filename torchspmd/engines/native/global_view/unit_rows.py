@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchspmd.engines.native import row_locality
-from torchspmd.engines.native.module_edges import BatchLayout, output_to_global, shares
-from torchspmd.engines.native.row_flow import MEAN
+from torchspmd.engines.native.global_view import row_locality
+from torchspmd.engines.native.global_view.module_edges import BatchLayout, output_to_global, shares
+from torchspmd.engines.native.global_view.row_flow import MEAN
 from torchspmd.tree import map_tensors, walk_tensors
 
 __all__ = ["RowPaths", "call_kind", "kind_text", "outputs_from_whole", "traceable", "whole_inputs"]
@@ -58,8 +58,8 @@ def call_kind(args: tuple, kwargs: dict) -> tuple:
 #: where the hooks that only lay values out come from: FSDP2's (gathering parameters), DTensor's
 #: parallel styles' (tensor parallelism over 'model': DTensor computes exactly what the whole
 #: weights compute), and torchspmd's own for the same two (``fsdp``, ``tensor_parallel``)
-_LAYOUT_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torchspmd.engines.native.fsdp",
-                        "torchspmd.engines.native.tensor_parallel")
+_LAYOUT_HOOK_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor", "torchspmd.engines.native.wrappers.fsdp",
+                        "torchspmd.engines.native.wrappers.tensor_parallel")
 
 
 def _lays_out(fn) -> bool:

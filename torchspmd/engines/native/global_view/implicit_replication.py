@@ -19,10 +19,12 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from torchspmd.blocks import block_of
-from torchspmd.engines.native import early_reductions, global_mode, replicas
-from torchspmd.engines.native import module_slots as _owners
-from torchspmd.engines.native.global_mode import resume, suspend
+from torchspmd.layouts.blocks import block_of
+from torchspmd.engines.native.communication import replicas
+from torchspmd.engines.native.global_view import early_reductions
+from torchspmd.engines.native.start import global_mode
+from torchspmd.engines.native.global_view import module_slots as _owners
+from torchspmd.engines.native.start.global_mode import resume, suspend
 from torchspmd.errors import SpmdError
 from torchspmd.patches import torch as torch_patches
 
