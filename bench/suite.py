@@ -547,6 +547,11 @@ def _table(rows: list[dict], title: str) -> list[str]:
             lines.append(f"- {NAMES[r['strategy']]} (workers bound to cores, the default) / not bound at "
                          f"{r['nproc']} processes: median {statistics.median(x):.2f}x, min-max "
                          f"{_spread(x, '.2f') or f'{x[0]:.2f}'} over the rounds.")
+        if r.get("vs_accelerator_runs"):
+            x = r["vs_accelerator_runs"]
+            lines.append(f"- {NAMES[r['strategy']]} (the CPU shortcuts, the default) / the accelerator path at "
+                         f"{r['nproc']} processes: median {statistics.median(x):.2f}x, min-max "
+                         f"{_spread(x, '.2f') or f'{x[0]:.2f}'} over the rounds.")
         if r.get("vs_xla_runs"):
             x = r["vs_xla_runs"]
             lines.append(f"- {NAMES[r['strategy']]} / torch_xla FSDPv2 at {r['nproc']} devices: median "
@@ -706,7 +711,8 @@ def main() -> None:
                "peak_pss_gb_runs": [x["peak_pss_gb"] for x in done if "peak_pss_gb" in x],
                "state_gb": done[0]["state_gb"], "vs_fsdp2_runs": per_round("fsdp2") if nproc > 1 else [],
                "vs_xla_runs": per_round("xla") if strategy.startswith("fsdpv2") and nproc > 1 else [],
-               "vs_unbound_runs": per_round("fsdpv2-unbound") if strategy == "fsdpv2" else []}
+               "vs_unbound_runs": per_round("fsdpv2-unbound") if strategy == "fsdpv2" else [],
+               "vs_accelerator_runs": per_round("fsdpv2-accelerator") if strategy == "fsdpv2" else []}
         row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_runs"]) if row["vs_fsdp2_runs"] else None
         if row["peak_pss_gb_runs"]:
             row["peak_pss_gb"] = statistics.median(row["peak_pss_gb_runs"])

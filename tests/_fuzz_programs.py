@@ -421,7 +421,7 @@ def _plant(bug: str):
             unit_rows.RowPaths.local = decide
         return undo
     if bug == "whole-batch-gradient-n-times":  # FSDPv2's global view: every process's gradient
-        from torchspmd.engines.native import unit_rows  # counted as the whole batch's (n times)
+        from torchspmd.engines.native.global_view import unit_rows  # counted as the whole batch's (n times)
 
         convert = unit_rows.outputs_from_whole
 
