@@ -61,8 +61,8 @@ def use_spmd(auto: bool = False, *, backend: str | None = None, num_devices: int
     Args:
         auto: torch_xla's auto-sharding switch; on the torch_xla engine it is handed to
             torch_xla, on the native engine it is not supported (raises if True).
-        backend: ``"cpu"``, ``"cuda"``, another device type PyTorch has a module for
-            (``"xpu"``, a PrivateUse1 device such as TorchTPU's ``"tpu"``), or ``"xla"``;
+        backend: ``"cpu"``, an accelerator's device type (any PyTorch has a module for:
+            CUDA's, XPU's, a PrivateUse1 device such as TorchTPU's ``"tpu"``), or ``"xla"``;
             default: ``$TORCHSPMD_BACKEND``, else xla when ``$PJRT_DEVICE`` is set and
             torch_xla is installed, else the accelerator PyTorch finds
             (``torch.accelerator.current_accelerator()``), else cpu.
@@ -94,7 +94,7 @@ def is_spmd() -> bool:
 
 def backend() -> str:
     """The backend ``use_spmd()`` chose: ``"cpu"`` (gloo), an accelerator's device type
-    (``"cuda"``: NCCL; its own process-group backend) or ``"xla"`` (torch_xla)."""
+    (its own process-group backend for its tensors) or ``"xla"`` (torch_xla)."""
     engines.current("torchspmd.backend()")
     assert _STATE.backend is not None
     return _STATE.backend
@@ -114,7 +114,7 @@ def device() -> torch.device:
 
 
 def device_type() -> str:
-    """The type of ``device()``: ``"cpu"``, an accelerator's (``"cuda"``) or ``"xla"``."""
+    """The type of ``device()``: ``"cpu"``, an accelerator's, or ``"xla"``."""
     return device().type
 
 

@@ -11,9 +11,9 @@ Under the layer, whether or not that module is imported:
   ``SpmdError``, an ``AssertionError`` as torch_xla's ``assert``): torch_xla refuses its
   ``'xla'`` group under SPMD;
 - before it, the backend ``'xla'`` (and ``'gloo'``, ``'nccl'``, none) of the default group is the native
-  engine's: gloo on CPU; on CUDA NCCL for CUDA tensors and gloo for CPU ones
-  (``'cpu:gloo,cuda:nccl'``), so that the program's CPU collectives (gloo, as it asked) and the
-  engine's CUDA ones share the group. ``dist.get_backend()`` names them, not ``'xla'``;
+  engine's: gloo on CPU; on an accelerator its own backend for its tensors and gloo for CPU ones
+  (``accelerators.pg_spec``), so that the program's CPU collectives (gloo, as it asked) and the
+  engine's device ones share the group. ``dist.get_backend()`` names them, not ``'xla'``;
 - ``init_method='xla://'`` is ``env://`` under a launcher (torchrun, ``torchspmd run``), else a
   group of this one process (torch_xla's one process on one host);
 - a call while the default group exists (``use_spmd()`` started it) reuses that group when it
@@ -34,7 +34,8 @@ from torchspmd.patches import torch as torch_patches
 __all__ = ["install", "native_backend", "XLA_INIT_METHOD"]
 
 XLA_INIT_METHOD = "xla://"
-_MAPPED = {None, "xla", "gloo", "nccl", "cpu:gloo,cuda:nccl"}
+#: what a torch_xla program may ask for, each the native engine's group: the named devices' specs among them
+_MAPPED = {None, "xla", "gloo", "nccl", *(accelerators.pg_spec(t) for t in accelerators.NAMED)}
 
 
 def native_backend() -> str:

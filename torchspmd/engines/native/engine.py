@@ -130,7 +130,7 @@ class NativeEngine(Engine):
     def _init_process_group(self, backend: str) -> None:
         if dist.is_initialized():
             return
-        pg_backend = accelerators.pg_spec(backend)  # ('gloo'; 'cpu:gloo,cuda:nccl'; a device's own)
+        pg_backend = accelerators.pg_spec(backend)  # (gloo; on an accelerator also its own)
         if environment.launched():
             dist.init_process_group(pg_backend)
         else:

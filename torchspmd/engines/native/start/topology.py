@@ -68,7 +68,7 @@ def set_device_type(device_type: str) -> None:
 
 
 def device_type() -> str:
-    """The started engine's device type (``'cpu'``, ``'cuda'``, another accelerator's)."""
+    """The started engine's device type (``'cpu'`` or the accelerator's, ``accelerators.current()``)."""
     if _STATE["device_type"] is None:
         raise SpmdError("the native engine is not started: call torchspmd.use_spmd() first")
     return _STATE["device_type"]
