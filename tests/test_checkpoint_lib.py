@@ -234,7 +234,7 @@ def _save_fails(root: str, where: str):
     import torch.distributed.checkpoint as dcp
 
     from torchspmd import checkpoint as ckpt
-    from torchspmd import checkpoint_files as files
+    from torchspmd.checkpoint_format import files
 
     model = _wrapped(False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -294,7 +294,7 @@ def _hash_fails_on_rank1(root):
     import torch.distributed as dist
 
     from torchspmd import checkpoint as ckpt
-    from torchspmd import checkpoint_files as files
+    from torchspmd.checkpoint_format import files
 
     model = _wrapped(False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -134,7 +134,7 @@ def _legacy_checkpoint(directory):
     from _helpers import dcp_keys
 
     from torchspmd import checkpoint as ckpt
-    from torchspmd import optimizer_state
+    from torchspmd.checkpoint import optimizer_state
 
     def make():
         torch.manual_seed(0)

@@ -60,7 +60,9 @@ from transformers.trainer import (
 )
 from transformers.trainer_pt_utils import get_module_class_from_name
 
-from torchspmd import checkpoint_files, optimizer_state, runtime
+from torchspmd import runtime
+from torchspmd.checkpoint import optimizer_state
+from torchspmd.checkpoint_format import files as checkpoint_files
 from torchspmd.layouts.blocks import chunk
 from torchspmd.data import shard_batch
 from torchspmd.errors import SpmdError

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torchspmd import accelerators
 from torchspmd import checkpoint as ckpt
 from torchspmd import faults, runtime
-from torchspmd.checkpoint_files import barrier
+from torchspmd.checkpoint_format.files import barrier
 from torchspmd.data import MpDeviceLoader
 from torchspmd.errors import SpmdError
 from torchspmd.explain import explain

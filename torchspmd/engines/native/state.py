@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchspmd.state_keys import match
+from torchspmd.checkpoint_format.keys import match
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict", "quiet_gathers"]
 

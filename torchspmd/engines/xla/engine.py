@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from torchspmd import state_keys
+from torchspmd.checkpoint_format import keys as state_keys
 from torchspmd.layouts import hlo
 from torchspmd.engines.base import Capabilities, Engine
 from torchspmd.errors import SpmdError

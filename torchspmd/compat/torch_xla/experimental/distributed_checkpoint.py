@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner,
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from torchspmd.checkpoint_files import barrier, fsync_dir, rank
+from torchspmd.checkpoint_format.files import barrier, fsync_dir, rank
 from torchspmd.compat.stand_ins import not_provided
 from torchspmd.errors import SpmdError
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchspmd import accelerators, state_keys
+from torchspmd import accelerators
+from torchspmd.checkpoint_format import keys as state_keys
 from torchspmd.engines.native.communication import replicas
 from torchspmd.engines.native.global_view import sharding, unit_rows
 from torchspmd.engines.native.start import global_mode

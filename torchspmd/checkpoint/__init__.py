@@ -41,8 +41,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchspmd import checkpoint_files, engines, faults, runtime
-from torchspmd.checkpoint_files import (
+from torchspmd import engines, faults, runtime
+from torchspmd.checkpoint_format import files as checkpoint_files
+from torchspmd.checkpoint_format.files import (
     CHECKSUMS,
     BadCheckpoint,
     CheckpointMismatch,
@@ -60,7 +61,7 @@ from torchspmd.checkpoint_files import (
     world,
 )
 from torchspmd.errors import SpmdError
-from torchspmd.optimizer_state import (
+from torchspmd.checkpoint.optimizer_state import (
     groups_differ,
     whole_group_names,
     load_optim_state,

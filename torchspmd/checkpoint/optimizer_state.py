@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchspmd import engines
-from torchspmd.checkpoint_files import (
+from torchspmd.checkpoint_format.files import (
     BadCheckpoint,
     CheckpointMismatch,
     DamagedCheckpoint,
