@@ -168,11 +168,12 @@ def test_job_equals_one_process(work, corpus, base):
         torch.testing.assert_close(trained[k], oracle[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-# --- gradient accumulation and layer checkpointing ---------------------------------------------------------------
+# --- gradient accumulation, layer checkpointing, the sequence split over 'context' ---------------------------------
 
 
-@pytest.mark.parametrize("flags", [("--optim.grad_accum", "2"), ("--precision.checkpointing", "true")],
-                         ids=["grad_accum_2", "layer_checkpointing"])
+@pytest.mark.parametrize("flags", [("--optim.grad_accum", "2"), ("--precision.checkpointing", "true"),
+                                   ("--mesh.context", "2")],
+                         ids=["grad_accum_2", "layer_checkpointing", "context_2"])
 def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
     out = work / flags[0].split(".")[-1]
     job(out, corpus, *flags)

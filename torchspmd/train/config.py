@@ -86,6 +86,8 @@ class MeshConfig:
                           "PJRT_DEVICE is set and torch_xla is installed, else the accelerator PyTorch finds, else cpu")
     pipeline: int = _f(1, "size of the 'pipeline' axis: the model cut into that many stages between decoder "
                           "layers (torchspmd.pipeline), FSDPv2 over 'fsdp' inside each; 1 for none")
+    context: int = _f(1, "size of the 'context' axis: each sequence split over that many processes (activation "
+                         "memory divided, attention over the whole sequence); the rest is 'fsdp'; 1 for none")
 
 
 @dataclass
@@ -407,6 +409,7 @@ _RANGES = [
     ("optim.max_bad_steps", 1, None, "non-finite steps tolerated"),
     ("mesh.data", 1, None, "the 'data' axis size"), ("mesh.model", 1, None, "the 'model' axis size, 1 for none"),
     ("mesh.pipeline", 1, None, "the 'pipeline' axis size, 1 for none"),
+    ("mesh.context", 1, None, "the 'context' axis size, 1 for none"),
     ("pipeline.microbatches", 0, None, "micro-batches per batch, 0 for the automatic number"),
     ("checkpoint.every", 1, None, "steps between checkpoints"), ("checkpoint.keep", 0, None, "checkpoints kept, 0 for all"),
     ("logging.every", 1, None, "steps between log lines"), ("logging.eval_every", 1, None, "steps between evaluations"),
@@ -668,7 +671,17 @@ def mesh_checks(cfg: TrainConfig, world: int) -> None:
     if world % cfg.mesh.pipeline:
         raise SpmdError(f"mesh.pipeline = {cfg.mesh.pipeline} does not divide the {world} devices; choose one of "
                         f"{', '.join(map(str, divisors))} (1: no stages)")
-    dp = world // (cfg.mesh.model * cfg.mesh.pipeline)
+    if cfg.mesh.context > 1:
+        if cfg.mesh.model > 1 or cfg.mesh.pipeline > 1:
+            other = "mesh.model" if cfg.mesh.model > 1 else "mesh.pipeline"
+            raise SpmdError(f"mesh.context = {cfg.mesh.context} with {other} > 1: a sequence split over 'context' does "
+                            f"not combine with tensor parallelism or stages yet; set {other} = 1 or mesh.context = 1")
+        if world % (cfg.mesh.data * cfg.mesh.context):
+            fits = [k for k in divisors if (world // cfg.mesh.data) % k == 0]
+            raise SpmdError(f"mesh.context = {cfg.mesh.context} does not divide the {world // cfg.mesh.data} devices "
+                            f"left by mesh.data = {cfg.mesh.data}; choose one of {', '.join(map(str, fits))} "
+                            f"(1: no sequence split)")
+    dp = world // (cfg.mesh.model * cfg.mesh.pipeline * cfg.mesh.context)
     if micro % dp:
         raise SpmdError(f"the micro-batch of {micro} sequences (optim.batch_size / optim.grad_accum) is not "
                         f"divisible by the {dp} data-parallel devices; use a multiple of {dp}")

@@ -231,6 +231,10 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     import sys
 
 
+    if cfg.mesh.context > 1:
+        print(f"plan: no memory prediction (torchspmd plan does not model the 'context' axis yet: mesh.context = "
+              f"{cfg.mesh.context})")
+        return
     try:
         facts = plan.config_facts(cfg)
     except Exception as e:  # the prediction is an aid: a model the planner cannot probe still trains
@@ -480,7 +484,8 @@ def _build(job: _Job, tokenizer) -> tuple:
 
 
 def _mesh(job: _Job) -> Mesh:
-    """('data', 'fsdp'), with 'model' when ``mesh.model`` > 1; made the global mesh."""
+    """('data', 'fsdp'), with 'model' when ``mesh.model`` > 1 or 'context' when ``mesh.context`` > 1;
+    made the global mesh."""
     cfg, world = job.cfg, job.world
     mesh_checks(cfg, world)
     if job.rank == 0:
@@ -491,6 +496,9 @@ def _mesh(job: _Job) -> Mesh:
         mesh = Mesh(np.arange(world), (p, world // (p * tp), tp), ("pipeline", "fsdp", "model"))
     elif tp > 1:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // (cfg.mesh.data * tp), tp), ("data", "fsdp", "model"))
+    elif cfg.mesh.context > 1:
+        c = cfg.mesh.context
+        mesh = Mesh(np.arange(world), (cfg.mesh.data, world // (cfg.mesh.data * c), c), ("data", "fsdp", "context"))
     else:
         mesh = Mesh(np.arange(world), (cfg.mesh.data, world // cfg.mesh.data), ("data", "fsdp"))
     set_global_mesh(mesh)
@@ -629,7 +637,9 @@ def _loaders(job: _Job, train_ds, eval_ds, explain: bool) -> tuple:
     ('data', 'fsdp')."""
     cfg, micro = job.cfg, job.micro
     # stages take the global batch on every process (the runner splits it); else split over ('data', 'fsdp')
-    spec = ShardingSpec(job.mesh, (None, None) if job.runner is not None else (("data", "fsdp"), None))
+    rows = ("data", "fsdp")
+    spec = ShardingSpec(job.mesh, (None, None) if job.runner is not None else
+                        (rows, "context") if "context" in job.mesh.axis_names else (rows, None))
     sampler = tdata.ResumableBatchSampler(len(train_ds), micro, cfg.seed, start=job.step * cfg.optim.grad_accum)
     train_iter = iter(MpDeviceLoader(torch.utils.data.DataLoader(train_ds, batch_sampler=sampler), runtime.device(),
                                      input_sharding=spec))

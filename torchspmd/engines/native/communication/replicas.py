@@ -10,6 +10,7 @@ random state everywhere) pass the check without copying anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import weakref
 from typing import Sequence
@@ -37,7 +38,10 @@ def digest(t: torch.Tensor) -> int:
         return 0
     raw = data.resolve_conj().resolve_neg().view(torch.uint8)
     if raw.device.type == accelerators.CPU and cpu_shortcuts.allowed():
-        return int.from_bytes(hashlib.sha256(raw.numpy()).digest()[:8], "little") >> 2
+        # read through a ctypes view of the bytes: ``numpy()`` would mark the storage as not
+        # resizable, and FSDP2 frees a gathered parameter's storage by resizing it
+        view = (ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())
+        return int.from_bytes(hashlib.sha256(view).digest()[:8], "little") >> 2
     return _weighted_byte_sum(raw) % (1 << 62)
 
 

@@ -425,6 +425,33 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def _keeps_uneven_dims(x: DTensor, shape) -> bool:
+    """Whether the view of ``x`` as ``shape`` keeps each unevenly split dim as a dim of its own
+    (only other dims merged or split: a sequence split unevenly over 'context' while the
+    features split into heads). Each such dim's blocks are then the view's blocks, a layout
+    DTensor expresses; the rest is DTensor's rule as for an even split."""
+    if not isinstance(shape, (list, tuple, torch.Size)) or not all(isinstance(n, int) for n in shape):
+        return False
+    try:
+        new = tuple(torch.empty(tuple(x.shape), device="meta").view(tuple(shape)).shape)
+    except RuntimeError:
+        return False
+    mesh = x.device_mesh
+    ways: dict[int, int] = {}
+    for axis, p in enumerate(x.placements):
+        if p.is_shard():
+            ways[p.dim] = ways.get(p.dim, 1) * mesh.size(axis)
+    old = tuple(x.shape)
+    for d, k in ways.items():
+        if old[d] % k == 0:
+            continue
+        before, upto = math.prod(old[:d]), math.prod(old[:d + 1])
+        if not any(math.prod(new[:e]) == before and math.prod(new[:e + 1]) == upto and new[e] == old[d]
+                   for e in range(len(new))):
+            return False
+    return True
+
+
 def _view(op, args, kwargs):
     """Views of an unevenly split tensor (``logits.view(-1, V)`` on 5 rows over 2
     devices, attention heads folded into an odd batch) have no torch.chunk layout
@@ -440,7 +467,7 @@ def _view(op, args, kwargs):
         out = _default(op, (whole, *args[1:]), kwargs)
         early_reductions.carry(x, out)
         return out
-    if not _uneven(x):
+    if not _uneven(x) or _keeps_uneven_dims(x, args[1] if len(args) > 1 else None):
         key = _view_key(op, x, args, kwargs)
         known = _VIEWS.get(key) if key is not None else None
         if known is not None:  # this view of this layout was made before: its local view, laid out alike

@@ -12,8 +12,10 @@ process when the native engine starts (``torchspmd.patches.torch.GLOBAL_VIEW_MOD
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -21,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchspmd.layouts.blocks import block_of
 from torchspmd.engines.native.communication import replicas
-from torchspmd.engines.native.global_view import early_reductions
+from torchspmd.engines.native.global_view import sequence_split, early_reductions
 from torchspmd.engines.native.start import global_mode
 from torchspmd.engines.native.global_view import module_slots as _owners
 from torchspmd.engines.native.start.global_mode import resume, suspend
@@ -43,8 +45,51 @@ def _first_dtensor(args: tuple, kwargs: dict) -> DTensor | None:
     return None
 
 
+class _ShareOverDataAxes(torch.autograd.Function):
+    """A plain tensor lifted to a replicated DTensor whose gradient comes back as this
+    process's share over the data axes (summed over the other axes): what FSDP2 sums."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, data_dims):
+        ctx.mesh, ctx.data_dims = mesh, data_dims
+        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh = ctx.mesh
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        # a pending sum over a data axis stays pending (each process's share); over the other
+        # axes it is summed; a gradient whole over a data axis is held by its first process
+        shares = [p if i in ctx.data_dims and p.is_partial() else Replicate() for i, p in enumerate(grad.placements)]
+        local = grad.redistribute(mesh, shares).to_local()
+        coordinate = mesh.get_coordinate()
+        if any(i in ctx.data_dims and p.is_replicate() and coordinate[i] != 0 for i, p in enumerate(shares)):
+            local = torch.zeros_like(local)
+        return local, None, None
+
+
+_SHARES = threading.local()
+
+
+@contextlib.contextmanager
+def gradient_shares(data_dims: list[int]) -> Iterator[None]:
+    """Inside: plain tensors that need a gradient are lifted so that their gradient is this
+    process's share over ``data_dims`` (FSDPv2's units on a global batch: FSDP2 then sums the
+    shares over those axes), not the whole gradient."""
+    before = getattr(_SHARES, "dims", None)
+    _SHARES.dims = list(data_dims)
+    try:
+        yield
+    finally:
+        _SHARES.dims = before
+
+
 def replicated(t: torch.Tensor, like: DTensor) -> DTensor:
     mesh = like.device_mesh
+    dims = getattr(_SHARES, "dims", None)
+    if dims is not None and t.requires_grad and torch.is_grad_enabled():
+        return _ShareOverDataAxes.apply(t, mesh, tuple(dims))
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
@@ -154,11 +199,28 @@ class _ReplicateUnannotated(TorchFunctionMode):
             return self._per_mesh(func, types, args, kwargs)
         if func in _JOIN and args and type(args[0]) in (list, tuple):
             seq = _without_legacy_empties(args[0]) if func in _CAT else args[0]
+            if func in _CAT and len(seq) == 1 and isinstance(seq[0], DTensor) and "out" not in kwargs:
+                # the cat of one tensor is its copy, laid out as it is (DTensor's rule gathers a
+                # split cat dim: a sequence split over 'context' entering transformers' cache)
+                return seq[0].clone(memory_format=torch.contiguous_format)
             args = (_one_mesh(seq), *args[1:])
             if _first_dtensor(args, kwargs) is None:
                 return func(*args, **kwargs)
         if func is torch.nn.functional.batch_norm:
             out = _batch_norm_on_a_mesh(args, kwargs)
+            if out is not None:
+                return out
+        if func is torch.nn.functional.linear and sequence_split.inner_split(args[0] if args else kwargs.get("input")):
+            out = sequence_split.linear(tuple(_lift(a, like) for a in args), {k: _lift(v, like) for k, v in kwargs.items()})
+            if out is not None:
+                return out
+        if func is torch.nn.functional.multi_head_attention_forward and isinstance(args[0] if args else None, DTensor):
+            out = sequence_split.multi_head_attention(tuple(_lift(a, like) for a in args),
+                                                      {k: _lift(v, like) for k, v in kwargs.items()})
+            if out is not None:
+                return out
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            out = sequence_split.attend(args, kwargs)
             if out is not None:
                 return out
         if func not in _NO_LIFT:

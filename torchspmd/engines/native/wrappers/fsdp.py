@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torchspmd import accelerators
 from torchspmd.checkpoint_format import keys as state_keys
 from torchspmd.engines.native.communication import replicas
-from torchspmd.engines.native.global_view import sharding, unit_rows
+from torchspmd.engines.native.global_view import implicit_replication, sequence_split, sharding, unit_rows
 from torchspmd.engines.native.start import global_mode
 from torchspmd.engines.native.wrappers import pair_proofs, tensor_parallel
 from torchspmd.engines.native.global_view import replaced_parameters as _stale
@@ -149,6 +149,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
         given = (args, kwargs)
+        if sequence_split.axes_splitting_positions(given, self._data_dims):
+            return self._forward_global(args, kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, device_mesh(self._mesh), self._data_dims, "FSDPv2")
         kind = (unit_rows.call_kind(*given), self._orig_module.training)
         watch = self._pairs.watch(kind)  # (the same trace decides the pairs)
@@ -178,6 +180,30 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 returned = self._shard_output(output, self._mesh)
             return returned if returned is not None else replace_marked(output, marked)
         return _default_shard_output(output, layout)
+
+    def _forward_global(self, args: tuple, kwargs: dict) -> Any:
+        """A batch split on another dim than its rows (a sequence over 'context'): the model
+        computes on the global DTensors, as a program without a wrapper does (DTensor's rules
+        and the global view's handlers keep each process on its positions where they can, and
+        are exact everywhere), with FSDP2 gathering the parameters as usual. Each parameter's
+        gradient comes back as this process's share over the data axes (summed over the
+        others), which FSDP2 sums."""
+        names = self._mesh.axis_names
+        if "model" in names and self._mesh.mesh_shape[names.index("model")] > 1:
+            raise SpmdError("FSDPv2: a batch split on its sequence dim (over 'context') inside FSDPv2 with a 'model' "
+                            "axis of size > 1 is not supported yet: use a mesh without 'model' (or of size 1) with "
+                            "'context'")
+        if self._shard_output is not None:
+            raise SpmdError("FSDPv2(shard_output=...): with a batch split on its sequence dim (over 'context') the "
+                            "outputs are already global DTensors; leave shard_output out")
+        with implicit_replication.gradient_shares(self._data_dims), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            output = self._orig_module(*args, **kwargs)
+            if self._reshard_after_eval and not torch.is_grad_enabled():
+                self._orig_module.reshard()
+        if self._fp32_outputs:
+            output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
+        return output
 
     def _forward_whole(self, given: tuple, layout: BatchLayout) -> Any:
         """The global view (``unit_rows``): every process computes the whole batch and keeps

@@ -1,0 +1,149 @@
+"""The 'context' axis: a batch annotated ``('data', 'context')`` (Pattern 1) or ``('fsdp',
+'context')`` (FSDPv2) splits each sequence over 'context'; the program is one device's.
+
+Every run trains STEPS steps on the same random global batches as the one-device oracle
+(tests/_context_models.py, plain PyTorch and transformers in a clean process) and must
+reproduce its losses, its gradients at every step and its final parameters (fp32: rtol 1e-5,
+atol 1e-6; attention sums its rows' keys in another order). Sequences of 11 tokens do not
+divide over 2 or 4 processes; 3 tokens over 4 leave one process none. The models: the seed
+document's decoder (nn.MultiheadAttention, causal, or not causal and returning its weights), decoders calling
+F.scaled_dot_product_attention with causal, padding, per-document and additive masks, and a
+transformers Llama (RoPE, grouped-query attention) with its loss inside. The sequence stays
+split through the model: attention's output and the final norm's are split over 'context' on every
+process.
+"""
+
+import functools
+
+import _context_models as M
+import _pattern1_models as P
+import numpy as np
+import pytest
+import torch
+from _clean import run_clean
+from torch.distributed.tensor import DTensor, Shard
+
+import torchspmd as ts
+
+RTOL, ATOL = 1e-5, 1e-6
+BASE = dict(vocab=29, dim=16, heads=4, inter=24, layers=2, rows=4, seq=11)
+MODELS = {
+    "mha_causal": dict(BASE, model="mha", causal=True),
+    "mha": dict(BASE, model="mha", weights=True),
+    "sdpa_causal": dict(BASE, model="sdpa", mask="causal"),
+    "sdpa_padding": dict(BASE, model="sdpa", mask="padding"),
+    "sdpa_documents": dict(BASE, model="sdpa", mask="documents"),
+    "sdpa_float": dict(BASE, model="sdpa", mask="float"),
+    "llama": dict(BASE, model="llama"),
+}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _spmd(cfg, shape, wrap):
+    n = ts.global_runtime_device_count()
+    first = "fsdp" if wrap else "data"
+    mesh = ts.Mesh(np.arange(n), shape, (first, "context"))
+    ts.set_global_mesh(mesh)
+    model = M.build(cfg)
+    if wrap:
+        model = ts.FSDPv2(model, auto_wrap_policy=functools.partial(ts.transformer_auto_wrap_policy,
+                                                                    transformer_layer_cls={M.layer_class(cfg)}))
+    else:
+        model = model.to(ts.device())
+    opt = torch.optim.Adam(model.parameters(), lr=M.LR, eps=P.ADAM_EPS)
+    final_norm = [m for name, m in model.named_modules() if name.endswith("norm") and "layers" not in name][-1]
+    kept = []
+
+    def split(t):
+        return isinstance(t, DTensor) and t.placements[1] == Shard(1)
+
+    attention = []
+    final_norm.register_forward_hook(lambda m, i, o: kept.append(split(o)))
+    # and attention's output: each process's rows of it, not the whole
+    attn = next(m for name, m in model.named_modules() if name.endswith("self_attn") or name.endswith(".out"))
+    if isinstance(attn, torch.nn.Linear):  # the sdpa decoders' output projection: attention's output enters it
+        attn.register_forward_pre_hook(lambda m, i: attention.append(split(i[0])))
+    else:
+        attn.register_forward_hook(lambda m, i, o: attention.append(split(o[0])))
+    losses, grads = [], []
+    for data, target in M.batches(cfg):
+        x = ts.mark_sharding(data.to(ts.device()), mesh, (first, "context"))
+        y = ts.mark_sharding(target.to(ts.device()), mesh, (first, "context"))
+        with ts.step():
+            opt.zero_grad()
+            loss = M.loss(cfg, model, x, y)
+            loss.backward()
+            grads.append({k: _full(p.grad).detach().clone() for k, p in model.named_parameters()})
+            opt.step()
+        losses.append(loss.item())
+    return dict(losses=losses, grads=grads, kept=kept, attention=attention,
+                params={k: _full(p).detach().clone() for k, p in model.named_parameters()})
+
+
+def _check(results, cfg, split=True):
+    want = run_clean(M.oracle, cfg)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=ATOL)
+        for step, (got, ref) in enumerate(zip(r["grads"], want["grads"])):
+            assert got.keys() == ref.keys()
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, k=k, s=step: f"step {s} gradient of {k}: {m}")
+        for k in want["params"]:
+            torch.testing.assert_close(r["params"][k], want["params"][k], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=k: f"parameter {k}: {m}")
+        if split:  # the sequence stayed split over 'context' (mesh dim 1) up to the final norm
+            assert r["kept"] and all(r["kept"]), r["kept"]
+            # attention gave each process its rows, except nn.MultiheadAttention returning its weights
+            # (need_weights=True, its default: a (seq, seq) map per row), computed whole
+            assert r["attention"] and all(r["attention"]) == (not cfg.get("weights")), r["attention"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pattern1_with_the_sequence_over_context_is_one_devices(dist, name):
+    _check(dist(2).run(_spmd, MODELS[name], (1, 2), False), MODELS[name])
+
+
+@pytest.mark.parametrize("name", ["mha_causal", "sdpa_documents", "llama"])
+def test_pattern1_over_four_context_processes(dist, name):
+    _check(dist(4).run(_spmd, MODELS[name], (1, 4), False), MODELS[name])
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("name", ["mha_causal", "sdpa_padding", "llama"])
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4)])
+def test_fsdpv2_with_the_sequence_over_context_is_one_devices(dist, name, shape):
+    _check(dist(4).run(_spmd, MODELS[name], shape, True), MODELS[name])
+
+
+def test_a_sequence_shorter_than_the_axis(dist):
+    cfg = dict(MODELS["sdpa_causal"], seq=3)
+    _check(dist(4).run(_spmd, cfg, (1, 4), False), cfg, split=False)
+
+
+def _refused(options):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (1, 2, 2), ("fsdp", "context", "model"))
+    if options == "shard_output":
+        mesh = ts.Mesh(np.arange(n), (2, 2), ("fsdp", "context"))
+    ts.set_global_mesh(mesh)
+    model = M.build(MODELS["sdpa_causal"])
+    extra = {"shard_output": lambda output, mesh: None} if options == "shard_output" else {}
+    model = ts.FSDPv2(model, **extra)
+    data, _ = M.batches(MODELS["sdpa_causal"])[0]
+    x = ts.mark_sharding(data.to(ts.device()), mesh, ("fsdp", "context"))
+    try:
+        model(x)
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("options", ["model_axis", "shard_output"])
+def test_what_does_not_combine_with_context_is_refused_on_every_process(dist, options):
+    out = dist(4).run(_refused, options)
+    assert out[0] is not None and all(o == out[0] for o in out), out
+    assert "'context'" in out[0] and ("'model'" in out[0] if options == "model_axis" else "shard_output" in out[0])
