@@ -59,7 +59,7 @@ def _texts(n, seed):
     return datasets.Dataset.from_dict({"text": out})
 
 
-def _args(out, sharded, model, model_axis=1, **extra):
+def _args(out, sharded, model, model_axis=1, context_axis=1, **extra):
     kw = dict(output_dir=out, per_device_train_batch_size=7, per_device_eval_batch_size=7, max_steps=3,
               learning_rate=1e-2, weight_decay=0.1, logging_steps=1, report_to=[], save_strategy="no",
               gradient_accumulation_steps=2, use_cpu=True, seed=0, disable_tqdm=True)
@@ -67,7 +67,7 @@ def _args(out, sharded, model, model_axis=1, **extra):
     if sharded:
         from torchspmd.hf import fsdp_v2
 
-        kw.update(fsdp_v2.get_fsdp_training_args(model, model_axis=model_axis))
+        kw.update(fsdp_v2.get_fsdp_training_args(model, model_axis=model_axis, context_axis=context_axis))
     return transformers.TrainingArguments(**kw)
 
 
@@ -76,7 +76,7 @@ def _history(trainer):
     return {"loss": [r["loss"] for r in h if "loss" in r], "grad_norm": [r["grad_norm"] for r in h if "grad_norm" in r]}
 
 
-def _train_lm(out, sharded, model_axis=1, **extra):
+def _train_lm(out, sharded, model_axis=1, context_axis=1, **extra):
     """Train the tiny Llama 3 steps (2 epochs, accumulation 2, uneven padding); return
     the losses, gradient norms, eval loss, predictions (with a short last batch) and how the
     parameters are laid out."""
@@ -88,7 +88,8 @@ def _train_lm(out, sharded, model_axis=1, **extra):
         cls = transformers.Trainer
     model = _model()
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False)
-    trainer = cls(model=model, args=_args(out, sharded, model, model_axis, **extra), train_dataset=_token_rows(21, 1),
+    trainer = cls(model=model, args=_args(out, sharded, model, model_axis, context_axis, **extra),
+                  train_dataset=_token_rows(21, 1),
                   eval_dataset=_token_rows(12, 2), data_collator=collator)
     trainer.train()
     result = _history(trainer)
@@ -144,6 +145,18 @@ def test_trainer_with_a_model_axis_computes_tensor_parallel_and_matches_one_proc
     for r in results:
         assert r["mesh_dims"] == ["('fsdp', 'model')", "('fsdp',)"]
         assert r["q_proj"][0] == r["q_proj"][1] // 4  # split over both axes
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(lm_oracle[key]), rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(r["predictions"], lm_oracle["predictions"], rtol=RTOL, atol=1e-5)
+
+
+def test_trainer_with_a_context_axis_matches_one_process(dist, tmp_path, lm_oracle):
+    # fsdp_config['context_axis'] = 2 on 4 devices: a (2, 2) ('fsdp', 'context') mesh, each
+    # sequence of a batch split over 'context' (padded batches, training, evaluation, predictions)
+    results = dist(4).run(_train_lm, str(tmp_path), True, 1, 2)
+    for r in results:
+        assert r["mesh_dims"] == ["('fsdp',)"]
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(lm_oracle[key]), rtol=RTOL, atol=1e-6)
         torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)

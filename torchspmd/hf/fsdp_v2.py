@@ -37,17 +37,25 @@ def use_fsdp_v2(**use_spmd_kwargs: Any) -> None:
     use_spmd(**use_spmd_kwargs)
 
 
-def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1) -> dict[str, Any]:
+def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1, context_axis: int = 1) -> dict[str, Any]:
     """The ``fsdp_config`` of transformers' FSDPv2 path, wrapping the named layer classes.
     ``model_axis`` > 1 (torchspmd only): the trainer's mesh is ``(devices // model_axis,
     model_axis)`` over ``('fsdp', 'model')`` and the model computes tensor-parallel over
-    ``'model'`` as its transformers plan says (``shard_by_tp_plan``)."""
+    ``'model'`` as its transformers plan says (``shard_by_tp_plan``). ``context_axis`` > 1
+    (torchspmd only): the mesh is ``(devices // context_axis, context_axis)`` over ``('fsdp',
+    'context')`` and each sequence of a batch is split over ``'context'``."""
     names = []
     for c in cls_to_wrap:
         names.extend([c] if isinstance(c, str) else [x if isinstance(x, str) else x.__name__ for x in c])
     if type(model_axis) is not int or model_axis < 1:
         raise SpmdError(f"model_axis = {model_axis!r}: give the size of the 'model' mesh axis, an int >= 1 "
                         f"(1: FSDP alone)")
+    if type(context_axis) is not int or context_axis < 1:
+        raise SpmdError(f"context_axis = {context_axis!r}: give the size of the 'context' mesh axis, an int >= 1 "
+                        f"(1: no sequence split)")
+    if context_axis > 1 and model_axis > 1:
+        raise SpmdError(f"model_axis = {model_axis} with context_axis = {context_axis}: a sequence split over "
+                        f"'context' does not combine with tensor parallelism yet; set one of them to 1")
     config = {
         "transformer_layer_cls_to_wrap": names,
         "xla": True,
@@ -56,6 +64,8 @@ def get_fsdp_config(*cls_to_wrap: str, model_axis: int = 1) -> dict[str, Any]:
     }
     if model_axis > 1:
         config["model_axis"] = model_axis
+    if context_axis > 1:
+        config["context_axis"] = context_axis
     return config
 
 
@@ -104,10 +114,11 @@ def find_layer_classes(model: nn.Module) -> list[str]:
 
 
 def get_fsdp_training_args(model: nn.Module, layer_cls_to_wrap: Iterable[str] | str | None = None,
-                           model_axis: int = 1) -> dict[str, Any]:
+                           model_axis: int = 1, context_axis: int = 1) -> dict[str, Any]:
     """``TrainingArguments`` keyword arguments for FSDPv2: ``fsdp`` and ``fsdp_config``.
     ``model_axis`` > 1 adds tensor parallelism over a ``'model'`` mesh axis of that size,
-    from the model's transformers tensor-parallel plan (``tp_plan(model)``)."""
+    from the model's transformers tensor-parallel plan (``tp_plan(model)``); ``context_axis``
+    > 1 splits each sequence over a ``'context'`` mesh axis of that size."""
     if model_axis != 1 and isinstance(model_axis, int) and model_axis > 1 and not tp_plan(model):
         raise SpmdError(f"get_fsdp_training_args(model_axis={model_axis}): {type(unwrap_peft(model)).__name__} declares "
                         f"no tensor-parallel plan (config.base_model_tp_plan); use model_axis=1, or annotate "
@@ -121,7 +132,7 @@ def get_fsdp_training_args(model: nn.Module, layer_cls_to_wrap: Iterable[str] | 
         if missing:
             raise SpmdError(f"layer_cls_to_wrap={names!r}: {missing[0]!r} is not a module class of this model")
     # (True, not optimum-tpu's 'full_shard': transformers >= 5.20 warns that a string is deprecated)
-    return {"fsdp": True, "fsdp_config": get_fsdp_config(*names, model_axis=model_axis)}
+    return {"fsdp": True, "fsdp_config": get_fsdp_config(*names, model_axis=model_axis, context_axis=context_axis)}
 
 
 # transformers' tensor-parallel styles, as sharding annotations of the module's weight (and

@@ -371,10 +371,16 @@ class Trainer(_StockTrainer):
         if type(m) is not int or m < 1 or n % m:
             raise SpmdError(f"fsdp_config['model_axis'] = {m!r}: give a size of the 'model' axis dividing the "
                             f"{n} devices")
+        c = cfg.get("context_axis", 1)
+        if type(c) is not int or c < 1 or n % c:
+            raise SpmdError(f"fsdp_config['context_axis'] = {c!r}: give a size of the 'context' axis dividing the "
+                            f"{n} devices")
         model = self.model
         if m > 1:
             mesh = Mesh(list(range(n)), (n // m, m), ("fsdp", "model"))
             shard_by_tp_plan(model, mesh)
+        elif c > 1:
+            mesh = Mesh(list(range(n)), (n // c, c), ("fsdp", "context"))
         else:
             mesh = Mesh(list(range(n)), (n, 1), ("fsdp", "tensor"))
         set_global_mesh(mesh)
@@ -519,7 +525,9 @@ class Trainer(_StockTrainer):
 
         # Each process keeps its rows of the global batch, as global DTensors (tensors of
         # another rank than 2 are split on dim 0 alike).
-        return shard_batch(inputs, ShardingSpec(self._spmd_mesh, ("fsdp", None)), device=self.args.device)
+        # With a 'context' axis each sequence (dim 1 of the rank-2 tensors) is split over it.
+        seq = "context" if "context" in self._spmd_mesh.axis_names else None
+        return shard_batch(inputs, ShardingSpec(self._spmd_mesh, ("fsdp", seq)), device=self.args.device)
 
     def _spmd_take_added_rows(self, inputs):
         """An evaluation batch's rows added by ``_GlobalCollate`` get no loss (a causal LM's,

@@ -187,6 +187,11 @@ class _ReplicateUnannotated(TorchFunctionMode):
             if copy is not None:
                 _write_through(copy)
             return None
+        if func is torch.Tensor.__getitem__ and len(args) > 1 and isinstance(args[0], DTensor) \
+                and _plain_tensor_index(args[1]):
+            # advanced indexing of a sharded tensor by plain index tensors (transformers' padding
+            # mask read at a grid of positions): on the whole value, as one device would
+            return _on_the_whole_value(func, args[0], args, kwargs)
         if func in _TO_HOST and args and isinstance(args[0], DTensor) and _leaves_for_host(func, args, kwargs):
             return _whole_on_host(func, args, kwargs)
         if func in _TO_PYTHON and args and isinstance(args[0], DTensor):
@@ -329,6 +334,12 @@ _GATHERED = {torch.cummax, torch.cummin, torch.Tensor.cummax, torch.Tensor.cummi
              torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
              torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
              torch.unique_consecutive, torch.Tensor.unique_consecutive}
+
+
+def _plain_tensor_index(index: Any) -> bool:
+    """Whether an indexing key holds a plain (not DTensor) tensor of more than one element."""
+    parts = index if type(index) is tuple else (index,)
+    return any(isinstance(p, torch.Tensor) and not isinstance(p, DTensor) and p.dim() > 0 for p in parts)
 
 
 def _on_the_whole_value(func, like: DTensor, args: tuple, kwargs: dict):

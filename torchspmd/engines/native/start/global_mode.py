@@ -48,3 +48,28 @@ def local_region() -> Iterator[None]:
         yield
     finally:
         resume(token)
+
+
+def active() -> bool:
+    """Whether the engine's mode is the innermost function mode now."""
+    return bool(_MODE) and torch._C._len_torch_function_stack() > 0 and \
+        torch.overrides._get_current_function_mode() is _MODE[0]
+
+
+@contextlib.contextmanager
+def as_it_was(was_active: bool) -> Iterator[None]:
+    """Run with the engine's mode innermost if ``was_active``, else stepped aside: a forward
+    recomputed in backward (activation checkpointing) runs as it ran the first time (the
+    backward pass itself starts with the mode aside)."""
+    if was_active and _MODE and not active():
+        torch._C._push_on_torch_function_stack(_MODE[0])
+        try:
+            yield
+        finally:
+            torch._C._pop_torch_function_stack()
+        return
+    token = None if was_active else suspend()
+    try:
+        yield
+    finally:
+        resume(token)

@@ -8,17 +8,19 @@ import functools
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from torchspmd.engines.native.start import global_mode
 from torchspmd.engines.native.start import rng as _rng
 
 _CLASSES: dict[type, type] = {}
 
 
-def _run_forward(module: nn.Module, cls: type, *args, **kwargs):
-    """The checkpointed module's own forward (run in forward, and again in backward). Its
-    outermost recomputation forgets a tensor-parallel pair's random stream left open by the
-    recomputation of another module (stopped once backward had what it needs, maybe before
-    the pair's partner ran): ``_rng.recomputing``."""
-    with _rng.recomputing():
+def _run_forward(module: nn.Module, cls: type, global_view: bool, *args, **kwargs):
+    """The checkpointed module's own forward (run in forward, and again in backward, with the
+    global view's mode as it was in forward: on global DTensors it lifts plain tensors in the
+    recomputation too). Its outermost recomputation forgets a tensor-parallel pair's random
+    stream left open by the recomputation of another module (stopped once backward had what it
+    needs, maybe before the pair's partner ran): ``_rng.recomputing``."""
+    with _rng.recomputing(), global_mode.as_it_was(global_view):
         return super(cls, module).forward(*args, **kwargs)
 
 
@@ -27,7 +29,8 @@ def _checkpointed_class(cls: type) -> type:
 
         def forward(self, *args, **kwargs):
             return torch.utils.checkpoint.checkpoint(
-                functools.partial(_run_forward, self, new_cls), *args, use_reentrant=False, **kwargs
+                functools.partial(_run_forward, self, new_cls, global_mode.active()), *args, use_reentrant=False,
+                **kwargs
             )
 
         new_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_torchspmd_checkpointed": True})
