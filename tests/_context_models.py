@@ -6,7 +6,8 @@ transformers (no torchspmd: the one-device oracle runs them in a clean process).
 - ``sdpa``: a decoder whose attention is ``F.scaled_dot_product_attention`` with a mask built
   inside from the global positions: ``causal`` (``is_causal``), ``padding`` (a 4D boolean mask
   hiding each row's last keys), ``documents`` (block-diagonal causal: documents of 4 tokens),
-  ``float`` (an additive (seq, seq) mask);
+  ``float`` (an additive (seq, seq) mask), ``memory`` (cross-attention to learned memory tokens:
+  keys and values not split);
 - ``llama``: a transformers Llama (RoPE, grouped-query attention, SDPA) taking ``labels`` (its
   loss computed inside, the labels shifted there).
 """
@@ -53,6 +54,8 @@ class SdpaLayer(nn.Module):
         super().__init__()
         dim = cfg["dim"]
         self.heads, self.kind = cfg["heads"], cfg["mask"]
+        # "memory": cross-attention to 5 learned memory tokens (keys and values not split)
+        self.memory = nn.Parameter(torch.randn(5, dim) * 0.5) if self.kind == "memory" else None
         self.norm1, self.norm2 = P.RMSNorm(dim), P.RMSNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim, bias=False)
@@ -61,8 +64,14 @@ class SdpaLayer(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, **_mask(self.kind, b, t, x.device))
+        q = q.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        if self.memory is not None:
+            _, k, v = self.qkv(self.memory.expand(b, -1, -1)).chunk(3, dim=-1)
+            k, v = (z.reshape(b, -1, self.heads, d // self.heads).transpose(1, 2) for z in (k, v))
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (k, v))
+            a = F.scaled_dot_product_attention(q, k, v, **_mask(self.kind, b, t, x.device))
         x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 

@@ -7,7 +7,9 @@ reproduce its losses, its gradients at every step and its final parameters (fp32
 atol 1e-6; attention sums its rows' keys in another order). Sequences of 11 tokens do not
 divide over 2 or 4 processes; 3 tokens over 4 leave one process none. The models: the seed
 document's decoder (nn.MultiheadAttention, causal, or not causal and returning its weights), decoders calling
-F.scaled_dot_product_attention with causal, padding, per-document and additive masks, and a
+F.scaled_dot_product_attention with causal, padding, per-document and additive masks (keys and
+values passed around the axis's ring) or against learned memory tokens (keys and values not
+split: taken whole), and a
 transformers Llama (RoPE, grouped-query attention) with its loss inside. The sequence stays
 split through the model: attention's output and the final norm's are split over 'context' on every
 process.
@@ -34,6 +36,7 @@ MODELS = {
     "sdpa_padding": dict(BASE, model="sdpa", mask="padding"),
     "sdpa_documents": dict(BASE, model="sdpa", mask="documents"),
     "sdpa_float": dict(BASE, model="sdpa", mask="float"),
+    "sdpa_memory": dict(BASE, model="sdpa", mask="memory"),
     "llama": dict(BASE, model="llama"),
 }
 

@@ -383,6 +383,19 @@ def _default(op, args, kwargs):
         return op(*args, **kwargs)
 
 
+def _cat(op, args, kwargs):
+    """``cat`` of DTensors with plain tensors among them: the zeros autograd makes for the
+    unused outputs of a split DTensor (``q, k, v = proj(x).chunk(3)`` with ``k`` unused; the
+    split's backward concatenates them with the others' gradients). A plain tensor at this
+    level holds its whole value: it enters as replicated."""
+    seq = args[0]
+    like = next((t for t in seq if isinstance(t, DTensor)), None)
+    if like is not None and any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) for t in seq):
+        seq = [t if isinstance(t, DTensor) else replicated(t, like) for t in seq]
+        args = (seq, *args[1:])
+    return _default(op, args, kwargs)
+
+
 def _split_twice_strided(x: DTensor) -> bool:
     """Whether a dim is split over two or more mesh axes, one of them a ``_StridedShard`` (a
     (sequence, batch) pair flattened with the batch split over 'data' and 'model'). DTensor's
@@ -574,6 +587,7 @@ _HANDLERS: dict = {
     aten.nll_loss2d_backward.default: _nll_backward,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
+    aten.cat.default: _cat,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _per_row,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _per_row,
     aten.mean.default: _mean,

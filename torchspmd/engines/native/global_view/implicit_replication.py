@@ -224,8 +224,9 @@ class _ReplicateUnannotated(TorchFunctionMode):
                                                       {k: _lift(v, like) for k, v in kwargs.items()})
             if out is not None:
                 return out
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            out = sequence_split.attend(args, kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(args[0] if args else None, DTensor) \
+                and sequence_split.split_sequence_axes(args[0]):
+            out = sequence_split.attend(tuple(_lift(a, like) for a in args), {k: _lift(v, like) for k, v in kwargs.items()})
             if out is not None:
                 return out
         if func not in _NO_LIFT:

@@ -1,6 +1,7 @@
 """A sequence split across devices (a batch annotated on its sequence dim, the ``'context'``
 axis): linear layers on each process's positions, and attention of each process's queries
-against the whole keys and values, gathered per call (what GSPMD does).
+against every key: keys and values split like the queries go around the axis's ring
+(``ring_attention``); others are gathered per call (what GSPMD does).
 
 ``multi_head_attention``: ``nn.MultiheadAttention``'s self-attention (its packed projection,
 no key padding mask, no weights returned) as the same projections and the same attention,
@@ -17,14 +18,15 @@ dim) reaches attention as DTensors whose sequence dim (``-2`` of ``(batch, heads
 head_dim)``) is split over that axis. Every other op of a decoder computes each position from
 that position alone, and DTensor's own sharding rules keep the split through them; attention
 mixes positions, and DTensor's rule for it would gather queries, keys and values whole and
-compute the whole attention on every process. Here instead each process keeps its queries,
-gathers the keys and values over the axis, and computes its rows of the attention against
-them: a query row of attention depends on that row of the queries and of the mask and on the
+compute the whole attention on every process. Here instead each process keeps its queries
+and computes its rows of the attention against every key (the ring, or the keys and values
+gathered over the axis): a query row of attention depends on that row of the queries and of the mask and on the
 whole keys and values, nothing else, so the rows are one device's rows. The mask is taken
 whole and cut to this process's rows, so a causal (``is_causal``: its rows from the global
-positions), padding, 4D or per-document mask gives one device's result. The gradient of the
+positions), padding, 4D or per-document mask gives one device's result. The gradient of
 gathered keys and values is each process's share, summed over the axis into each process's
-split (a reduce-scatter). The output keeps the queries' split.
+split (a reduce-scatter); the ring brings each block's gradient home. The output keeps the
+queries' split.
 
 Where any of that does not hold (queries split over several axes on the sequence dim, a
 pending sum, dropout, a mask that needs a gradient, keys or values of another layout that
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchspmd.engines.native.global_view.ring_attention import ring_attention
 from torchspmd.layouts.blocks import contiguous_stride
 from torchspmd.tree import walk_tensors
 
@@ -148,11 +151,23 @@ def attend(args: tuple, kwargs: dict) -> DTensor | None:
     if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.ndim > q.ndim):
         return None
     (axis,) = axes
+    if mesh.size(axis) == 1:  # nothing is split: DTensor computes it locally as it is
+        return None
     seq = q.ndim - 2
     start, length = _rows(q.shape[seq], mesh.size(axis), mesh.get_local_rank(axis))
     q_local = _local(q)
     if q_local.shape[seq] != length:
         return None
+    if tuple(k.placements) == tuple(v.placements) == tuple(q.placements) and k.shape[:seq - 1] == q.shape[:seq - 1] \
+            and (q.shape[seq - 1] == k.shape[seq - 1] or (a.get("enable_gqa") and q.shape[seq - 1] % k.shape[seq - 1] == 0)):
+        # keys and values split alike: passed around the axis's ring, never gathered whole
+        causal = bool(a.get("is_causal"))
+        rows_mask = _mask_rows(mask, q, axes, start, length) if mask is not None and not causal else None
+        out = ring_attention(q_local, _local(k), _local(v), group=mesh.get_group(axis), seq_len=k.shape[seq],
+                             rows_start=start, mask=rows_mask, causal=causal, scale=a.get("scale"))
+        shape = (*q.shape[:-1], v.shape[-1])
+        return DTensor.from_local(out.contiguous(), mesh, q.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=contiguous_stride(shape))
     whole = [Replicate() if i == axis else p for i, p in enumerate(q.placements)]
     if any(isinstance(p, Shard) and (p.dim >= k.ndim or k.shape[p.dim] != q.shape[p.dim]) and p.dim != seq
            for p in whole if isinstance(p, Shard)):
