@@ -5,7 +5,7 @@ transformers (no torchspmd: the one-device oracle runs them in a clean process).
   (a float mask and ``is_causal``) or not;
 - ``sdpa``: a decoder whose attention is ``F.scaled_dot_product_attention`` with a mask built
   inside from the global positions: ``causal`` (``is_causal``), ``padding`` (a 4D boolean mask
-  hiding each row's last keys), ``documents`` (block-diagonal causal: documents of 4 tokens),
+  hiding each row's last keys), ``keys`` (the same as a (rows, 1, 1, seq) mask), ``documents`` (block-diagonal causal: documents of 4 tokens),
   ``float`` (an additive (seq, seq) mask), ``memory`` (cross-attention to learned memory tokens:
   keys and values not split);
 - ``llama``: a transformers Llama (RoPE, grouped-query attention, SDPA) taking ``labels`` (its
@@ -41,6 +41,9 @@ def _mask(kind: str, rows: int, t: int, device) -> dict:
     if kind == "padding":  # row r sees keys up to t - 1 - (r % 3)
         valid = pos[None, :] < (t - torch.arange(rows, device=device) % 3)[:, None]
         return {"attn_mask": valid[:, None, None, :].expand(rows, 1, t, t)}
+    if kind == "keys":  # a (rows, 1, 1, seq) mask over the keys alone (transformers' padding form)
+        valid = pos[None, :] < (t - torch.arange(rows, device=device) % 3)[:, None]
+        return {"attn_mask": valid[:, None, None, :]}
     if kind == "documents":  # documents of 4 tokens, causal inside each
         doc = pos // 4
         return {"attn_mask": (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])}

@@ -7,7 +7,8 @@ reproduce its losses, its gradients at every step and its final parameters (fp32
 atol 1e-6; attention sums its rows' keys in another order). Sequences of 11 tokens do not
 divide over 2 or 4 processes; 3 tokens over 4 leave one process none. The models: the seed
 document's decoder (nn.MultiheadAttention, causal, or not causal and returning its weights), decoders calling
-F.scaled_dot_product_attention with causal, padding, per-document and additive masks (keys and
+F.scaled_dot_product_attention with causal, padding (4D, and over the keys alone), per-document
+and additive masks (keys and
 values passed around the axis's ring) or against learned memory tokens (keys and values not
 split: taken whole), and a
 transformers Llama (RoPE, grouped-query attention) with its loss inside. The sequence stays
@@ -34,6 +35,7 @@ MODELS = {
     "mha": dict(BASE, model="mha", weights=True),
     "sdpa_causal": dict(BASE, model="sdpa", mask="causal"),
     "sdpa_padding": dict(BASE, model="sdpa", mask="padding"),
+    "sdpa_keys": dict(BASE, model="sdpa", mask="keys"),
     "sdpa_documents": dict(BASE, model="sdpa", mask="documents"),
     "sdpa_float": dict(BASE, model="sdpa", mask="float"),
     "sdpa_memory": dict(BASE, model="sdpa", mask="memory"),

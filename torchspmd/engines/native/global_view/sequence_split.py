@@ -148,8 +148,8 @@ def attend(args: tuple, kwargs: dict) -> DTensor | None:
     mask = a.get("attn_mask")
     if len(axes) != 1 or a.get("dropout_p", 0.0) or any(p.is_partial() for t in (q, k, v) for p in t.placements):
         return None
-    if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.ndim > q.ndim):
-        return None
+    if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.ndim > q.ndim or a.get("is_causal")):
+        return None  # (a mask with is_causal: torch's own error, as on one device)
     (axis,) = axes
     if mesh.size(axis) == 1:  # nothing is split: DTensor computes it locally as it is
         return None
@@ -159,6 +159,7 @@ def attend(args: tuple, kwargs: dict) -> DTensor | None:
     if q_local.shape[seq] != length:
         return None
     if tuple(k.placements) == tuple(v.placements) == tuple(q.placements) and k.shape[:seq - 1] == q.shape[:seq - 1] \
+            and (mask is None or a.get("is_causal") or (mask.ndim >= 1 and mask.shape[-1] == k.shape[seq])) \
             and (q.shape[seq - 1] == k.shape[seq - 1] or (a.get("enable_gqa") and q.shape[seq - 1] % k.shape[seq - 1] == 0)):
         # keys and values split alike: passed around the axis's ring, never gathered whole
         causal = bool(a.get("is_causal"))
