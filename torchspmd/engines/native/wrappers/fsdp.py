@@ -164,9 +164,12 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 return self._forward_whole(given, layout)
             return self._forward_rows(args, kwargs, layout)
 
-    def _forward_rows(self, args: tuple, kwargs: dict, layout: BatchLayout) -> Any:
-        """Each process computes its own rows (proven to give one device's result)."""
-        with global_mode.local_region(), local_rows_stream(layout, self._data_dims), warnings.catch_warnings():
+    def _run(self, args: tuple, kwargs: dict, *regions) -> Any:
+        """The wrapped module's forward inside ``regions`` (context managers), resharded after
+        a forward without gradients, its outputs in fp32 under mixed precision."""
+        with contextlib.ExitStack() as stack, warnings.catch_warnings():
+            for region in regions:
+                stack.enter_context(region)
             # A tensor-parallel LM head returns its gathered logits as a view; FSDP2 warns
             # about in-place ops on it, but the output goes on to become a global DTensor here.
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -175,6 +178,11 @@ class SpmdFullyShardedDataParallel(nn.Module):
                 self._orig_module.reshard()
         if self._fp32_outputs:
             output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
+        return output
+
+    def _forward_rows(self, args: tuple, kwargs: dict, layout: BatchLayout) -> Any:
+        """Each process computes its own rows (proven to give one device's result)."""
+        output = self._run(args, kwargs, global_mode.local_region(), local_rows_stream(layout, self._data_dims))
         if self._shard_output is not None:
             with marking_outputs(layout, output) as marked:
                 returned = self._shard_output(output, self._mesh)
@@ -196,26 +204,13 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if self._shard_output is not None:
             raise SpmdError("FSDPv2(shard_output=...): with a batch split on its sequence dim (over 'context') the "
                             "outputs are already global DTensors; leave shard_output out")
-        with implicit_replication.gradient_shares(self._data_dims), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            output = self._orig_module(*args, **kwargs)
-            if self._reshard_after_eval and not torch.is_grad_enabled():
-                self._orig_module.reshard()
-        if self._fp32_outputs:
-            output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
-        return output
+        return self._run(args, kwargs, implicit_replication.gradient_shares(self._data_dims))
 
     def _forward_whole(self, given: tuple, layout: BatchLayout) -> Any:
         """The global view (``unit_rows``): every process computes the whole batch and keeps
         its own rows of the outputs."""
         args, kwargs = unit_rows.whole_inputs(*given, layout, self._data_dims)
-        with global_mode.local_region(), local_rows_stream(None, self._data_dims), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            output = self._orig_module(*args, **kwargs)
-            if self._reshard_after_eval and not torch.is_grad_enabled():
-                self._orig_module.reshard()
-        if self._fp32_outputs:
-            output = map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
+        output = self._run(args, kwargs, global_mode.local_region(), local_rows_stream(None, self._data_dims))
         if self._shard_output is not None:
             # (the callable marks this process's rows, as it does on the local path)
             rows = map_tensors(output, lambda t: t.narrow(0, layout.local_start, layout.local_rows)
