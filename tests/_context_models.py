@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-STEPS = 3
+STEPS = P.STEPS
 LR = 1e-2
 
 
@@ -120,13 +120,8 @@ def layer_class(cfg):
     return SdpaLayer
 
 
-def batches(cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(123)
-    out = []
-    for _ in range(STEPS):
-        t = torch.randint(0, cfg["vocab"], (cfg["rows"], cfg["seq"] + 1), generator=g)
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-    return out
+#: STEPS global batches of random tokens and their next-token targets (the Pattern 1 tests')
+batches = P.batches
 
 
 def loss(cfg, model, data, target):
