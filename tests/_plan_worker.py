@@ -2,6 +2,9 @@
 by ``torchspmd run``); rank 0 writes the peak RSS growth over the state before the model
 was built. Used by test_plan.py to check ``torchspmd plan``'s prediction.
 
+``_plan_worker.py CONFIG BATCH SEQ DTYPE STEPS OUT [GRAD_ACCUM [CONTEXT]]``: FSDPv2, each
+sequence split over a 'context' axis of CONTEXT processes when it is over 1.
+
 ``_plan_worker.py stages CONFIG BATCH SEQ STEPS OUT FSDP MICROBATCHES SCHEDULE``: the same
 for pipeline stages (:func:`stages`), the largest growth over the processes."""
 
@@ -15,7 +18,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str, grad_accum: int = 1) -> None:
+def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str, grad_accum: int = 1,
+         context: int = 1) -> None:
     import functools
 
     import torch
@@ -25,13 +29,15 @@ def main(config_dir: str, batch: int, seq: int, dtype: str, steps: int, out: str
 
     ts.use_spmd()
     n = ts.global_runtime_device_count()
-    mesh = ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model"))
+    # context > 1: each sequence split over a 'context' axis of that size (FSDPv2 shards over both)
+    mesh = (ts.Mesh(list(range(n)), (n // context, context), ("fsdp", "context")) if context > 1 else
+            ts.Mesh(list(range(n)), (n, 1), ("fsdp", "model")))
     config = AutoConfig.from_pretrained(config_dir)
     vocab = config.vocab_size
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, vocab, (batch * steps, seq), generator=g))
     loader = ts.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=batch // grad_accum), ts.device(),
-                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", None)))
+                               input_sharding=ts.ShardingSpec(mesh, ("fsdp", "context" if context > 1 else None)))
     batches = list(loader)
     base = rss_bytes()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -150,4 +156,4 @@ if __name__ == "__main__":
                sys.argv[9])
         sys.exit(0)
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6],
-         *(int(a) for a in sys.argv[7:8]))
+         *(int(a) for a in sys.argv[7:9]))

@@ -84,7 +84,9 @@ def _spmd(cfg, shape, wrap):
             grads.append({k: _full(p.grad).detach().clone() for k, p in model.named_parameters()})
             opt.step()
         losses.append(loss.item())
-    return dict(losses=losses, grads=grads, kept=kept, attention=attention,
+    # what this process holds of each parameter (FSDPv2: split over 'fsdp' x 'context' together)
+    held = {k: p.to_local().numel() if isinstance(p, DTensor) else p.numel() for k, p in model.named_parameters()}
+    return dict(losses=losses, grads=grads, kept=kept, attention=attention, held=held,
                 params={k: _full(p).detach().clone() for k, p in model.named_parameters()})
 
 
@@ -121,7 +123,43 @@ def test_pattern1_over_four_context_processes(dist, name):
 @pytest.mark.parametrize("name", ["mha_causal", "sdpa_padding", "llama"])
 @pytest.mark.parametrize("shape", [(2, 2), (1, 4)])
 def test_fsdpv2_with_the_sequence_over_context_is_one_devices(dist, name, shape):
-    _check(dist(4).run(_spmd, MODELS[name], shape, True), MODELS[name])
+    results = dist(4).run(_spmd, MODELS[name], shape, True)
+    _check(results, MODELS[name])
+    # every parameter is split over all 4 processes ('fsdp' x 'context' flattened: dim 0 in 4
+    # chunks), not replicated over 'context'
+    params = results[0]["params"]
+    for k, whole in params.items():
+        rows = whole.shape[0]
+        per_row = whole.numel() // rows
+        chunk = -(-rows // 4)
+        want = [max(0, min(chunk, rows - r * chunk)) * per_row for r in range(4)]
+        assert [r["held"][k] for r in results] == want, (k, whole.shape, [r["held"][k] for r in results])
+
+
+def _explained(cfg):
+    n = ts.global_runtime_device_count()
+    mesh = ts.Mesh(np.arange(n), (1, n), ("fsdp", "context"))
+    ts.set_global_mesh(mesh)
+    model = ts.FSDPv2(M.build(cfg), auto_wrap_policy=functools.partial(
+        ts.transformer_auto_wrap_policy, transformer_layer_cls={M.layer_class(cfg)}))
+    data, target = M.batches(cfg)[0]
+    x = ts.mark_sharding(data.to(ts.device()), mesh, ("fsdp", "context"))
+    y = ts.mark_sharding(target.to(ts.device()), mesh, ("fsdp", "context"))
+    report = ts.explain(model, lambda: M.loss(cfg, model, x, y).backward())
+    return [(c.family, c.phase, c.axis, c.count, c.bytes) for c in report.collectives], str(report)
+
+
+def test_explain_shows_the_rings_sends(dist):
+    """Ring attention's sends and receives over 'context' are listed by explain, forward and
+    backward (a layer's keys and values: 2 per step of the ring, c - 1 steps)."""
+    cfg = MODELS["sdpa_causal"]
+    out = dist(2).run(_explained, cfg)
+    rows, text = out[0]
+    for family in ("send", "recv"):
+        for phase in ("forward", "backward"):
+            found = [r for r in rows if r[0] == family and r[1] == phase]
+            assert found and all(r[2] == "context" and r[4] for r in found), (family, phase, rows)
+    assert "send" in text
 
 
 def test_a_sequence_shorter_than_the_axis(dist):

@@ -155,8 +155,10 @@ def test_trainer_with_a_context_axis_matches_one_process(dist, tmp_path, lm_orac
     # fsdp_config['context_axis'] = 2 on 4 devices: a (2, 2) ('fsdp', 'context') mesh, each
     # sequence of a batch split over 'context' (padded batches, training, evaluation, predictions)
     results = dist(4).run(_train_lm, str(tmp_path), True, 1, 2)
+    # FSDP shards over 'fsdp' x 'context' flattened: each process holds a quarter, none twice
+    assert sum(r["local_numel"] for r in results) == lm_oracle["numel"]
     for r in results:
-        assert r["mesh_dims"] == ["('fsdp',)"]
+        assert r["mesh_dims"] == ["('fsdp_context',)"]
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(lm_oracle[key]), rtol=RTOL, atol=1e-6)
         torch.testing.assert_close(r["eval_loss"], lm_oracle["eval_loss"], rtol=RTOL, atol=1e-6)

@@ -14,7 +14,7 @@ from torchspmd.train.plan import HEADROOM, estimate, model_facts, propose
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _measure(config_dir, devices, batch, seq, dtype, out, grad_accum=1):
+def _measure(config_dir, devices, batch, seq, dtype, out, grad_accum=1, context=1):
     env = clean_env()
     # Big allocations straight from (and back to) the OS, so that the peak RSS is the peak of
     # the live tensors rather than of malloc's cached free memory.
@@ -24,7 +24,7 @@ def _measure(config_dir, devices, batch, seq, dtype, out, grad_accum=1):
     env["TORCHSPMD_SHARED_PARAMS"] = "0"
     r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "run", "--nproc", str(devices),
                         str(ROOT / "tests" / "_plan_worker.py"), str(config_dir), str(batch), str(seq), dtype, "3",
-                        str(out), str(grad_accum)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                        str(out), str(grad_accum), str(context)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(Path(out).read_text())["peak_growth"]
 
@@ -48,6 +48,23 @@ def test_fsdpv2_prediction_within_15_percent_of_a_measured_run(tmp_path, devices
     assert abs(fsdp - measured) / measured <= 0.15, (fsdp / 2**20, measured / 2**20, predicted["FSDPv2"])
     # DDP needs more, checkpointing less
     assert predicted["DDP"]["total"] > fsdp > predicted["FSDPv2 + checkpointing"]["total"]
+
+
+def test_context_prediction_within_15_percent_of_a_measured_run(tmp_path):
+    """FSDPv2 with each sequence split over a 'context' axis of 2: a process holds half of each
+    sequence's activations and logits, and a quarter of the model state ('fsdp' x 'context' of
+    2 x 2). (A sequence the axis does not divide is exact too, but the loss's flatten of the
+    logits gathers them over 'context': docs/context.md.)"""
+    _config(tmp_path / "model")
+    devices, batch, seq = 4, 4, 512
+    measured = _measure(tmp_path / "model", devices, batch, seq, "fp32", tmp_path / "peak.json", context=2)
+    facts = model_facts(str(tmp_path / "model"), "fp32")
+    predicted = estimate(facts, devices, batch, seq, "fp32", "adamw", context=2)["FSDPv2"]
+    assert abs(predicted["total"] - measured) / measured <= 0.15, (predicted["total"] / 2**20, measured / 2**20,
+                                                                   predicted)
+    whole = estimate(facts, devices, batch, seq, "fp32", "adamw")["FSDPv2"]
+    # the same rows per process hold half the tokens: activations and the loss's buffers halve
+    assert predicted["activations"] < 0.55 * 2 * whole["activations"]
 
 
 def _measure_stages(config_dir, devices, fsdp, batch, seq, microbatches, schedule, out):
@@ -112,6 +129,15 @@ def test_stages_and_model_axis_divide_what_each_device_holds():
         estimate(facts, 4, 16, 128, model=3)
     with pytest.raises(SpmdError, match="choose --microbatches among"):
         estimate(facts, 4, 16, 128, pipeline=2, microbatches=3)
+    # 'context' 2: the same rows per process hold half the tokens; the state is split over all 4
+    cp = estimate(facts, 4, 8, 128, context=2)["FSDPv2"]
+    half = estimate(facts, 4, 16, 64)["FSDPv2"]  # 4 rows of 64 tokens per process, state over 4
+    for part in ("parameters + optimizer", "activations", "logits, loss buffers"):
+        assert cp[part] == pytest.approx(half[part]), part
+    with pytest.raises(SpmdError, match="'context' axis \\(2\\) does not combine with the 'model' axis"):
+        estimate(facts, 4, 16, 128, model=2, context=2)
+    with pytest.raises(SpmdError, match="'context' axis \\(3\\) must divide the 4 devices"):
+        estimate(facts, 4, 16, 128, context=3)
 
 
 def test_preset_plan_command_runs():
@@ -124,6 +150,11 @@ def test_preset_plan_command_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mesh: 'fsdp' 2 x 'model' 2 x 'pipeline' 2" in r.stdout
     assert "stages: 2 of up to 2 layers, 1f1b, 4 micro-batches: bubble 20%" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "torchspmd.cli", "plan", "--model", "tiny", "--devices", "4",
+                        "--context", "2", "--seq", "255"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mesh: 'fsdp' 2 x 'context' 2 (128 tokens of each sequence per process)" in r.stdout
+    assert "Proposed (FSDPv2 x context 2;" in r.stdout
 
 
 def test_plan_errors_name_the_argument():

@@ -125,7 +125,8 @@ def test_each_preset_fits_its_stated_target(name):
     tconfig.mesh_checks(cfg, target.devices)  # the micro-batch splits over the target's devices
     strategy = "FSDPv2 + checkpointing" if cfg.precision.checkpointing else "FSDPv2"
     predicted = plan.estimate(plan.config_facts(cfg), target.devices, cfg.optim.batch_size, cfg.data.seq_len,
-                              cfg.precision.dtype, "adamw", cfg.optim.grad_accum)[strategy]["total"]
+                              cfg.precision.dtype, "adamw", cfg.optim.grad_accum,
+                              context=cfg.mesh.context)[strategy]["total"]
     assert predicted <= plan.HEADROOM * target.memory_gb * 1e9, (name, predicted / 1e9, target)
 
 

@@ -189,6 +189,26 @@ def test_same_losses_and_weights_as_the_plain_job(work, corpus, base, flags):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_context_checkpoint_resumes_at_another_context_degree(work, corpus, base):
+    """A checkpoint of the job with each sequence split over 'context' 2 (2 processes) resumes
+    over 'context' 4 (4 processes) and over none ('fsdp' 2): the checkpoint holds whole tensors,
+    whatever the degree; the losses after it and the final weights are the plain job's."""
+    saved = work / "context-saved"
+    job(saved, corpus, "--mesh.context", "2", "--checkpoint.every", "1", "--checkpoint.keep", "0")
+    want = losses(base)
+    for name, devices, flags in (("context4", 4, ("--mesh.context", "4")), ("plain", 2, ())):
+        again = work / f"context-resumed-{name}"
+        job(again, corpus, *flags, "--checkpoint.resume", str(ckpt(saved, 1)), devices=devices)
+        got = losses(again)
+        assert sorted(got) == [2, STEPS], (name, got)
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0), (name, step)
+        a, b = job_state(ckpt(base, STEPS))["model"], job_state(ckpt(again, STEPS))["model"]
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+
+
 # --- export and generate -----------------------------------------------------------------------------------------
 
 

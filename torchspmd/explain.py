@@ -63,7 +63,7 @@ class Collective:
 
     @property
     def family(self) -> str:
-        """all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, ... (from ``kind``)."""
+        """all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, send, recv, ... (from ``kind``)."""
         return _family(self.kind)
 
 
@@ -268,7 +268,8 @@ def _family(kind: str) -> str:
     op = kind.rsplit(".", 1)[-1].strip("_").lower().replace("_", "")
     for key, fam in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
                      ("allreduce", "all_reduce"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"),
-                     ("gather", "gather"), ("scatter", "scatter"), ("reduce", "reduce")):
+                     ("gather", "gather"), ("scatter", "scatter"), ("reduce", "reduce"), ("send", "send"),
+                     ("recv", "recv")):
         if key in op:
             return fam
     return kind
@@ -410,6 +411,8 @@ def _comm_mode_class():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             before = dict(self.comm_counts)
             out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func in _point_to_point():  # (CommDebugMode counts collectives only)
+                self.comm_counts[func.overloadpacket] += 1  # (keyed as CommDebugMode keys its ops)
             changed = [k for k, n in self.comm_counts.items() if before.get(k, 0) != n]
             if changed:  # CommDebugMode counted this call as a collective
                 kind = changed[0]
@@ -428,6 +431,12 @@ def _comm_mode_class():
             return out
 
     return _SizedCommDebugMode
+
+
+def _point_to_point() -> tuple:
+    """c10d's send and receive ops (ring attention passes keys and values with them)."""
+    ops = torch.ops.c10d
+    return tuple(getattr(ops, name).default for name in ("send", "recv_") if hasattr(ops, name))
 
 
 def _clean_module(name: str) -> str:
@@ -455,7 +464,7 @@ def _collectives(model: nn.Module, step_fn: Callable[[], Any]) -> tuple[list[Col
         return ("backward" if tracker.is_bw else "forward"), _clean_module(tracker.name)
 
     # The exact loss's small sums as the backend's all-reduces (on one machine a training step
-    # makes them through shared memory: docs/guide.md, "Exact global losses").
+    # makes them through shared memory: docs/data_parallel.md, "Exact global losses").
     with mode, warnings.catch_warnings(), engines.planned().watching_fallbacks(where) as fallbacks:
         # CommDebugMode's module tracker puts a full backward hook on every module; torch warns
         # for each whose inputs need no gradient (the first layer's): the tracker's noise.

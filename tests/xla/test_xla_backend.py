@@ -254,6 +254,8 @@ def test_fsdpv2_refuses_what_torch_xla_lacks(ts):
             ts.FSDPv2(Net(), mesh, **kwargs)
     with pytest.raises(ValueError, match="'fsdp'"):
         ts.FSDPv2(Net(), ts.Mesh(np.arange(4), (4,), ("data",)))
+    with pytest.raises(ts.SpmdError, match=r"'context' axis of 2 is the native engine's.*backend='native'"):
+        ts.FSDPv2(Net(), ts.Mesh(np.arange(4), (2, 2), ("fsdp", "context")))
     wrapped = ts.FSDPv2(Net(), mesh)
     with pytest.raises(ts.SpmdError, match="apply checkpoint_module before FSDPv2"):
         ts.checkpoint_module(wrapped)

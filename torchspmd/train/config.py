@@ -176,6 +176,13 @@ PRESETS: dict[str, dict] = {
                  "data": {"seq_len": 2048, "max_bytes": 0},
                  "optim": {"lr": 3e-4, "batch_size": 256, "max_steps": 10000, "warmup_steps": 500},
                  "precision": {"dtype": "bf16", "checkpointing": True}},
+    # llama-1b's shapes on 32k-token sequences, each split over a 'context' axis of 8 (ring attention)
+    "llama-1b-32k": {"out_dir": "runs/llama-1b-32k",
+                     "model": {"dim": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+                               "intermediate_size": 8192, "max_seq_len": 32768, "meta_init": True},
+                     "data": {"seq_len": 32768, "max_bytes": 0}, "mesh": {"context": 8},
+                     "optim": {"lr": 3e-4, "batch_size": 16, "max_steps": 10000, "warmup_steps": 500},
+                     "precision": {"dtype": "bf16", "checkpointing": True}},
     "llama2-7b": {"out_dir": "runs/llama2-7b",
                   "model": {"dim": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008,
                             "max_seq_len": 4096, "vocab_size": 32000, "meta_init": True},
@@ -199,6 +206,7 @@ PRESET_TARGETS: dict[str, Target] = {
     "seed-tiny": Target(2, 4, "2 CPU processes (a laptop), 4 GB each"),
     "small": Target(1, 24, "one 24 GB GPU (L4, A10, RTX 4090)"),
     "llama-1b": Target(8, 40, "8 x 40 GB GPUs (A100 40 GB)"),
+    "llama-1b-32k": Target(8, 80, "8 x 80 GB GPUs (A100 80 GB, H100): each sequence over all 8"),
     "llama2-7b": Target(8, 80, "8 x 80 GB GPUs (A100 80 GB, H100); Llama-2's tokenizer "
                                "(data.tokenizer = its tokenizer.json, 32000 tokens)"),
 }

@@ -230,11 +230,6 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
     device, and a warning (with the planner's proposal) when it will not fit."""
     import sys
 
-
-    if cfg.mesh.context > 1:
-        print(f"plan: no memory prediction (torchspmd plan does not model the 'context' axis yet: mesh.context = "
-              f"{cfg.mesh.context})")
-        return
     try:
         facts = plan.config_facts(cfg)
     except Exception as e:  # the prediction is an aid: a model the planner cannot probe still trains
@@ -242,28 +237,30 @@ def _announce_plan(cfg: TrainConfig, world: int) -> None:
         return
     strategy = "FSDPv2 + checkpointing" if cfg.precision.checkpointing else "FSDPv2"
     o, m = cfg.optim, cfg.mesh
-    axes = dict(model=m.model, pipeline=m.pipeline, schedule=cfg.pipeline.schedule,
+    axes = dict(model=m.model, pipeline=m.pipeline, schedule=cfg.pipeline.schedule, context=m.context,
                 microbatches=pipeline_microbatches(cfg, world)[0] if m.pipeline > 1 else 0)
     total = plan.estimate(facts, world, o.batch_size, cfg.data.seq_len, cfg.precision.dtype, "adamw",
                           o.grad_accum, **axes)[strategy]["total"]
-    rows = o.batch_size // o.grad_accum // (world // (m.model * m.pipeline))
-    if m.model > 1 or m.pipeline > 1:
-        strategy += "".join(f" x {k} {v}" for k, v in (("model", m.model), ("pipeline", m.pipeline)) if v > 1)
+    rows = o.batch_size // o.grad_accum // (world // (m.model * m.pipeline * m.context))
+    tokens = -(-cfg.data.seq_len // m.context)
+    if m.model > 1 or m.pipeline > 1 or m.context > 1:
+        strategy += "".join(f" x {k} {v}" for k, v in (("model", m.model), ("pipeline", m.pipeline),
+                                                         ("context", m.context)) if v > 1)
     memory = _device_memory()
     of = f" of {memory[0] / 2**30:.1f} GB ({memory[1]})" if memory else ""
-    print(f"plan: {total / 2**30:.2f} GB per device predicted{of}: {strategy}, {rows} x {cfg.data.seq_len} tokens "
+    print(f"plan: {total / 2**30:.2f} GB per device predicted{of}: {strategy}, {rows} x {tokens} tokens "
           f"per device per micro-batch, {cfg.precision.dtype}, AdamW (torchspmd plan shows the parts)")
     if memory and total > plan.HEADROOM * memory[0]:
         proposal = None
         if m.pipeline == 1:  # (train has no CPU offload, and no checkpointing with stages)
             proposal = plan.propose(facts, world, o.batch_size, cfg.data.seq_len, memory[0], cfg.precision.dtype,
                                     "adamw", strategy.split(" x ")[0], ladder=plan.LADDER[:2], model=m.model,
-                                    schedule=cfg.pipeline.schedule)
+                                    schedule=cfg.pipeline.schedule, context=m.context)
         fix = (f"The planner proposes {plan.describe(proposal)}: set optim.grad_accum = {proposal.grad_accum}"
                f"{' and precision.checkpointing = true' if proposal.strategy != strategy.split(' x ')[0] else ''}"
                f"{f' and mesh.pipeline = {proposal.pipeline}' if proposal.pipeline > 1 else ''}"
                f"{f' and run on {proposal.devices} devices' if proposal.devices_changed else ''}." if proposal else
-               "Nothing the planner knows fits: lower data.seq_len or use a larger 'model' axis.")
+               "Nothing the planner knows fits: lower data.seq_len or use a larger 'model' or 'context' axis.")
         print(f"torchspmd: warning: this run is predicted to need {total / 2**30:.1f} GB per device, more than "
               f"{plan.HEADROOM:.0%} of the {memory[0] / 2**30:.1f} GB each device has; it will likely run out of "
               f"memory. {fix}", file=sys.stderr, flush=True)

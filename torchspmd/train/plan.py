@@ -275,7 +275,7 @@ def _in_flight_later(schedule: str, p: int, m: int) -> tuple[float, float]:
 
 def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str = "fp32",
              optimizer: str = "adamw", grad_accum: int = 1, *, model: int = 1, pipeline: int = 1,
-             microbatches: int = 0, schedule: str = "1f1b") -> dict[str, dict[str, float]]:
+             microbatches: int = 0, schedule: str = "1f1b", context: int = 1) -> dict[str, dict[str, float]]:
     """Predicted peak bytes per device, by strategy, with their parts: ``batch`` sequences
     of ``seq`` tokens per optimizer step, in ``grad_accum`` micro-batches split over the
     devices' data-parallel groups.
@@ -285,9 +285,22 @@ def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str =
     the axis (an upper bound: Megatron pairs split the MLP's and the heads' activations).
     ``pipeline``: stages (``schedule``, ``microbatches``, 0: the fewest with a bubble of at
     most 25%, as ``torchspmd train`` chooses): FSDPv2 only (checkpointing and CPU offload do
-    not combine with stages); see :func:`stages_estimate`."""
-    if devices < 1 or batch < 1 or seq < 1 or grad_accum < 1 or model < 1 or pipeline < 1:
-        raise SpmdError("plan: devices, batch, seq, grad_accum, the 'model' axis and the stages must be positive")
+    not combine with stages); see :func:`stages_estimate`.
+    ``context``: the 'context' axis's size: each sequence is split over it, so a process
+    holds ``ceil(seq / context)`` tokens of each of its rows and the activations, logits
+    and loss buffers of those (ring attention keeps only the process's own keys and values
+    for backward); FSDPv2 shards the parameters over 'fsdp' x 'context' together (the
+    ``devices / model`` processes). It does not combine with 'model' or stages (as
+    ``torchspmd train`` refuses)."""
+    if (devices < 1 or batch < 1 or seq < 1 or grad_accum < 1 or model < 1 or pipeline < 1
+            or context < 1):
+        raise SpmdError("plan: devices, batch, seq, grad_accum, the 'model', 'pipeline' and 'context' axes must be "
+                        "positive")
+    if context > 1 and (model > 1 or pipeline > 1):
+        raise SpmdError(f"plan: the 'context' axis ({context}) does not combine with the 'model' axis ({model}) or "
+                        f"pipeline stages ({pipeline}); give one of them")
+    if devices % context:
+        raise SpmdError(f"plan: the 'context' axis ({context}) must divide the {devices} devices")
     if optimizer not in OPTIMIZER_STATES:
         raise SpmdError(f"plan --optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
     if dtype not in ("fp32", "bf16"):
@@ -299,9 +312,9 @@ def estimate(facts: ModelFacts, devices: int, batch: int, seq: int, dtype: str =
                                           microbatches, schedule)}
     c = 2 if dtype == "bf16" else 4
     k = OPTIMIZER_STATES[optimizer]
-    n = devices // model  # the data-parallel devices
-    rows = math.ceil(batch / grad_accum / n)
-    tokens = rows * seq
+    n = devices // model  # the processes FSDPv2 shards over ('fsdp' x 'context')
+    rows = math.ceil(batch / grad_accum / (n // context))  # per data-parallel group
+    tokens = rows * math.ceil(seq / context)  # this process's
     P = facts.params
     acts = tokens * (facts.layers * facts.act_layer + facts.act_root)
     acts_ckpt = tokens * (facts.layers * facts.layer_input + facts.act_layer + facts.act_root)
@@ -460,26 +473,28 @@ class Proposal:
 def propose(facts: ModelFacts, devices: int, batch: int, seq: int, memory: float, dtype: str = "fp32",
             optimizer: str = "adamw", strategy: str = "FSDPv2", max_devices: int = 4096,
             ladder: list[str] = LADDER, *, model: int = 1, stages: bool = True,
-            schedule: str = "1f1b") -> Proposal | None:
+            schedule: str = "1f1b", context: int = 1) -> Proposal | None:
     """The cheapest way to run a global batch of ``batch`` x ``seq`` on devices of ``memory``
     bytes with a 'model' axis of ``model``: the largest micro-batch per data-parallel group (a
     divisor of its rows, the rest as ``grad_accum``) that fits with ``strategy``; if even one
     row does not fit, the next strategy of ``ladder`` (checkpointing, then CPU offload); then
     (``stages``) pipeline stages, 2, 4, ... (FSDPv2 inside them, ``schedule``); then twice the
-    devices, up to ``max_devices`` (the global batch must still divide). None when nothing fits."""
+    devices, up to ``max_devices`` (the global batch must still divide). With a 'context' axis
+    of ``context`` (each sequence split over it) no stages are tried. None when nothing fits."""
     budget = memory * HEADROOM
     n = devices
-    while n <= max_devices and n % model == 0 and batch % (n // model) == 0:
-        dp = n // model
+    while n <= max_devices and n % (model * context) == 0 and batch % (n // (model * context)) == 0:
+        dp = n // (model * context)
         for name in ladder[ladder.index(strategy):]:
             per = batch // dp
             for rows in sorted((r for r in range(1, per + 1) if per % r == 0), reverse=True):
                 accum = per // rows
-                total = estimate(facts, n, batch, seq, dtype, optimizer, accum, model=model)[name]["total"]
+                total = estimate(facts, n, batch, seq, dtype, optimizer, accum, model=model,
+                                 context=context)[name]["total"]
                 if total <= budget:
                     return Proposal(memory, name, n, rows, accum, total, n != devices)
         pp = 2
-        while stages and dp % pp == 0 and pp * stages_per_process(schedule) <= facts.layers:
+        while stages and context == 1 and dp % pp == 0 and pp * stages_per_process(schedule) <= facts.layers:
             per = batch // (dp // pp)
             for rows in sorted((r for r in range(1, per + 1) if per % r == 0), reverse=True):
                 accum = per // rows
@@ -520,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh-model", type=int, default=1, help="the 'model' axis's size (tensor parallelism)")
     p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (the 'pipeline' axis's size)")
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="the stages' schedule")
+    p.add_argument("--context", type=int, default=None,
+                   help="the 'context' axis's size: each sequence split over it (FSDPv2 shards over 'fsdp' x "
+                        "'context'; default: the preset's mesh.context, else 1)")
     p.add_argument("--microbatches", type=int, default=0,
                    help="pipeline micro-batches per micro-step (0: the fewest with a bubble of at most 25%%)")
     p.add_argument("--memory-gb", type=float, action="append", default=None,
@@ -531,25 +549,32 @@ def main(argv: list[str] | None = None) -> int:
     seq = a.seq or (cfg.data.seq_len if cfg else 1024)
     accum = a.grad_accum or (cfg.optim.grad_accum if cfg and a.batch is None else 1)
     dtype = a.dtype or (cfg.precision.dtype if cfg else "bf16")
+    a.context = a.context if a.context is not None else (cfg.mesh.context if cfg else 1)
     for name, v in (("--devices", a.devices), ("--batch", batch), ("--seq", seq), ("--grad-accum", accum),
-                    ("--mesh-model", a.mesh_model), ("--pipeline", a.pipeline)):
+                    ("--mesh-model", a.mesh_model), ("--pipeline", a.pipeline), ("--context", a.context)):
         if v < 1:
             raise SpmdError(f"plan {name} {v}: must be at least 1")
     if batch % accum:
         raise SpmdError(f"plan --batch {batch} is not divisible by --grad-accum {accum}")
     if any(m <= 0 for m in a.memory_gb or []):
         raise SpmdError("plan --memory-gb: give a positive size in GB")
-    if a.devices % (a.mesh_model * a.pipeline):
-        raise SpmdError(f"plan --mesh-model {a.mesh_model} x --pipeline {a.pipeline} must divide --devices "
-                        f"{a.devices}")
+    if a.devices % (a.mesh_model * a.pipeline * a.context):
+        raise SpmdError(f"plan --mesh-model {a.mesh_model} x --pipeline {a.pipeline} x --context {a.context} must "
+                        f"divide --devices {a.devices}")
+    if a.context > 1 and (a.mesh_model > 1 or a.pipeline > 1):
+        raise SpmdError(f"plan --context {a.context}: the 'context' axis does not combine with --mesh-model or "
+                        f"--pipeline; give one of them")
     facts = model_facts(a.model, dtype)
-    axes = dict(model=a.mesh_model, pipeline=a.pipeline, microbatches=a.microbatches, schedule=a.schedule)
+    axes = dict(model=a.mesh_model, pipeline=a.pipeline, microbatches=a.microbatches, schedule=a.schedule,
+                context=a.context)
     plan = estimate(facts, a.devices, batch, seq, dtype, a.optimizer, accum, **axes)
     gb = 2**30
-    dp = a.devices // (a.mesh_model * a.pipeline)
+    dp = a.devices // (a.mesh_model * a.pipeline * a.context)
     rows = math.ceil(batch / accum / dp)
     mesh = (f"; mesh: 'fsdp' {dp}" + (f" x 'model' {a.mesh_model}" if a.mesh_model > 1 else "")
-            + (f" x 'pipeline' {a.pipeline}" if a.pipeline > 1 else ""))
+            + (f" x 'pipeline' {a.pipeline}" if a.pipeline > 1 else "")
+            + (f" x 'context' {a.context} ({math.ceil(seq / a.context)} tokens of each sequence per process)"
+               if a.context > 1 else ""))
     print(f"{facts.name}: {facts.params / 1e6:.1f}M parameters ({facts.layers} layers of "
           f"{facts.layer_params / 1e6:.1f}M, {facts.root_params / 1e6:.1f}M outside them); {a.devices} devices{mesh}, "
           f"global batch {batch} x {seq} tokens ({rows} rows per data-parallel group per micro-batch, grad_accum "
@@ -573,12 +598,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, parts in plan.items():
         fits = [label for label, size in sizes.items() if parts["total"] <= size * 1e9 * HEADROOM]
         print(f"{name}: fits {', '.join(fits) if fits else 'none of ' + ', '.join(sizes)}")
-    print(f"\nProposed (FSDPv2{' x model ' + str(a.mesh_model) if a.mesh_model > 1 else ''}; global batch {batch} x "
+    print(f"\nProposed (FSDPv2{' x model ' + str(a.mesh_model) if a.mesh_model > 1 else ''}"
+          f"{' x context ' + str(a.context) if a.context > 1 else ''}; global batch {batch} x "
           f"{seq} kept; the largest micro-batch per device that fits, else the cheapest change: checkpointing, CPU "
           f"offload, pipeline stages, more devices):")
     for label, size in sizes.items():
         proposal = propose(facts, a.devices, batch, seq, size * 1e9, dtype, a.optimizer, model=a.mesh_model,
-                           schedule=a.schedule)
+                           schedule=a.schedule, context=a.context)
         print(f"  {label}: " + (describe(proposal) if proposal else
                                 f"nothing fits, even with CPU offload, stages and more devices (up to 4096 that "
                                 f"divide the batch of {batch}): lower --seq or use a larger --mesh-model"))

@@ -519,6 +519,13 @@ class XlaEngine(Engine):
         if options.get("per_process"):
             raise SpmdError("FSDPv2(per_process=True) is not available on the torch_xla engine: GSPMD computes the "
                             "global view of the program; leave it unset")
+        names = tuple(mesh.axis_names)
+        if "context" in names and mesh.mesh_shape[names.index("context")] > 1:
+            raise SpmdError(f"FSDPv2 over a mesh with a 'context' axis of {mesh.mesh_shape[names.index('context')]} "
+                            f"is the native engine's (parameters sharded over 'fsdp' x 'context', ring attention "
+                            f"over the split sequence); torch_xla's FSDPv2 shards over 'fsdp' alone: run on the "
+                            f"native engine (use_spmd(backend='native')), or name the axis otherwise to let GSPMD "
+                            f"partition a sequence annotated over it")
         dtype = _autocast_dtype(options.get("mixed_precision"))
         return _fsdp_class()(module, mesh=mesh, shard_output=shard_output, auto_wrap_policy=auto_wrap_policy,
                              auto_wrapper_callable=auto_wrapper_callable, extra_data_axis=extra_data_axis,

@@ -83,9 +83,15 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _splits(p) -> bool:
+    """Whether placement ``p`` splits a dim: ``Shard``, or ``_StridedShard`` (not a ``Shard``
+    on every torch version)."""
+    return p.is_shard() or isinstance(p, _StridedShard)
+
+
 def _sum_placements(x: DTensor) -> list:
     """Placements of a full reduction of ``x``: pending sums over its shard axes."""
-    return [Partial("sum") if p.is_shard() else Replicate() for p in x.placements]
+    return [Partial("sum") if _splits(p) else Replicate() for p in x.placements]
 
 
 def _group_sum(value: torch.Tensor, x: DTensor) -> torch.Tensor:
@@ -93,7 +99,7 @@ def _group_sum(value: torch.Tensor, x: DTensor) -> torch.Tensor:
     value = value.clone()
     mesh = x.device_mesh
     for dim, p in enumerate(x.placements):
-        if p.is_shard() and mesh.size(dim) > 1:
+        if _splits(p) and mesh.size(dim) > 1:
             dist.all_reduce(value, group=mesh.get_group(dim))
     return value
 
@@ -169,10 +175,16 @@ def _nll_prepare(values: dict) -> tuple[DTensor, DTensor, Any]:
         # Sharded classes (vocabulary parallelism): gather them; loss_parallel() is the
         # specialised tool for that layout.
         x = x.redistribute(x.device_mesh, [Replicate() if p.is_shard(cdim) else p for p in x.placements])
-    if any(isinstance(p, _StridedShard) for p in x.placements):
+    if any(isinstance(p, _StridedShard) for p in x.placements) and not _rows_alike(x, values["target"]):
         # Rows split over two axes in an order a plain split of the targets does not give
-        # (logits (batch, seq) split over 'data' and 'model', flattened): gather those.
+        # (logits (batch, seq) split over 'data' and 'model', flattened, beside targets laid
+        # out otherwise): gather those.
         x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, _StridedShard) else p for p in x.placements])
+    elif any(isinstance(p, _StridedShard) for p in x.placements):
+        # Logits (rows, classes) and targets (rows,) flattened alike from (batch, seq) split
+        # over 'fsdp' and 'context': each process holds the same rows of both, so each
+        # computes its rows' losses; the sums and the weight are pending over both axes.
+        return x, values["target"], _whole_weight(values.get("weight"))
     target_placements = []
     for p in x.placements:
         if p.is_shard():
@@ -185,10 +197,21 @@ def _nll_prepare(values: dict) -> tuple[DTensor, DTensor, Any]:
         target = replicated(target, x)
     if tuple(target.placements) != tuple(target_placements):
         target = target.redistribute(x.device_mesh, target_placements)
-    weight = values.get("weight")
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor()
-    return x, target, weight
+    return x, target, _whole_weight(values.get("weight"))
+
+
+def _whole_weight(weight: Any) -> Any:
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
+def _rows_alike(x: DTensor, target: Any) -> bool:
+    """Whether ``target`` (rows,) is laid out as the rows of ``x`` (rows, classes): a DTensor
+    on the same mesh with the same placement on every mesh axis, so that each process holds
+    the targets of its own rows in their order (the classes not split)."""
+    return (isinstance(target, DTensor) and x.ndim == 2 and target.ndim == 1
+            and target.device_mesh == x.device_mesh and target.shape[0] == x.shape[0]
+            and tuple(target.placements) == tuple(x.placements)
+            and all(_splits(p) and p.dim == 0 or p.is_replicate() for p in x.placements))
 
 
 def _nll_forward(op, args, kwargs):
@@ -465,6 +488,49 @@ def _keeps_uneven_dims(x: DTensor, shape) -> bool:
     return True
 
 
+# view keys whose DTensor layout _inverse_of_a_flatten has checked: True (exact) or False
+_UNFLATTENS: dict = {}
+
+
+def _inverse_of_a_flatten(op, x: DTensor, args, kwargs) -> DTensor | None:
+    """DTensor's view of ``x`` (a dim split twice with a ``_StridedShard`` among the splits),
+    where it is proven exact, else None. Such layouts come from flattening a tensor split on
+    two dims (logits (batch, seq) over 'fsdp' and 'context' viewed as rows); their view back
+    (the gradient's) is exact when DTensor's answer, flattened again by DTensor's rule for a
+    flatten (the direction it gets right, on meta tensors: nothing moves), is ``x``'s layout
+    and its local view holds this process's elements. Decided per layout and shapes, the
+    same on every process (the local shapes checked are the ones every process computes
+    from the global layout)."""
+    key = _view_key(op, x, args, kwargs)
+    if key is not None and _UNFLATTENS.get(key) is False:
+        return None
+    try:
+        out = _default(op, args, kwargs)
+    except RuntimeError:
+        _UNFLATTENS[key] = False
+        return None
+    if key is not None and _UNFLATTENS.get(key):
+        early_reductions.carry(x, out)
+        return out
+    try:
+        meta = DTensor.from_local(torch.empty(out._local_tensor.shape, dtype=x.dtype, device="meta"), out.device_mesh,
+                                  out.placements, run_check=False, shape=out.shape, stride=out.stride())
+        back = _default(aten.view.default, (meta, list(x.shape)), {})
+        exact = (tuple(back.placements) == tuple(x.placements) and tuple(back.shape) == tuple(x.shape)
+                 and tuple(back._local_tensor.shape) == tuple(x._local_tensor.shape)
+                 and out._local_tensor.numel() == x._local_tensor.numel())
+    except RuntimeError:
+        exact = False
+    if key is not None:
+        if len(_UNFLATTENS) >= _VIEWS_KEPT:
+            _UNFLATTENS.clear()
+        _UNFLATTENS[key] = exact
+    if not exact:
+        return None
+    early_reductions.carry(x, out)
+    return out
+
+
 def _view(op, args, kwargs):
     """Views of an unevenly split tensor (``logits.view(-1, V)`` on 5 rows over 2
     devices, attention heads folded into an odd batch) have no torch.chunk layout
@@ -474,6 +540,9 @@ def _view(op, args, kwargs):
     the same on every process."""
     x = args[0]
     if _split_twice_strided(x):
+        out = _inverse_of_a_flatten(op, x, args, kwargs)
+        if out is not None:
+            return out
         mesh = x.device_mesh
         whole = x.redistribute(mesh, [Replicate() if p.is_shard() or isinstance(p, _StridedShard) else p
                                       for p in x.placements])

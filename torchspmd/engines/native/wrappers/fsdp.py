@@ -92,7 +92,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         super().__init__()
         sharding.untile_parameters(module)
         # Values FSDP2 splits (or leaves whole) must be one value before they are split:
-        # checked once, rank 0's copied where a process differs (docs/guide.md).
+        # checked once, rank 0's copied where a process differs (docs/launching.md).
         replicas.agree_once([t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, DTensor)])
         before = list(module.named_parameters(remove_duplicate=False))  # (an optimizer built on them is refused)
         options = dict(mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
@@ -127,6 +127,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
             if isinstance(sub, SpmdFullyShardedDataParallel):
                 sub._is_root = False  # only the outermost wrapper is the global-view boundary
         self._data_dims, self._fsdp_mesh = _unit_meshes(mesh, extra_data_axis)
+        #: the data axes a batch split on a later dim does not count as its rows' ('context' is one
+        #: of the data axes for FSDP's sharding, but splits a batch on its sequence)
+        self._batch_dims = [d for d in self._data_dims if mesh.axis_names[d] != "context"]
         with tensor_parallel.naming(fqn):
             _shard_unit(module, mesh, self._data_dims, self._fsdp_mesh, **options)
         #: which tensor-parallel pairs keep their activation split, per kind of call (proven)
@@ -149,7 +152,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if not self._is_root:
             return self._orig_module(*args, **kwargs)
         given = (args, kwargs)
-        if sequence_split.axes_splitting_positions(given, self._data_dims):
+        if sequence_split.axes_splitting_positions(given, self._batch_dims):
             return self._forward_global(args, kwargs)
         args, kwargs, layout = inputs_to_local(args, kwargs, device_mesh(self._mesh), self._data_dims, "FSDPv2")
         kind = (unit_rows.call_kind(*given), self._orig_module.training)
@@ -307,11 +310,26 @@ def _tag_replaced(module: nn.Module, before: list) -> None:
 
 
 def _unit_meshes(mesh, extra_data_axis: str | None):
-    """(mesh dims splitting the batch, the DeviceMesh FSDP2 shards over)."""
+    """(mesh dims splitting the batch, the DeviceMesh FSDP2 shards over).
+
+    A 'context' axis of more than one process shards the parameters together with 'fsdp'
+    (FSDP2 over the two flattened into one dim, as torchtitan's ``dp_shard_cp``): each
+    process holds ``1 / (fsdp x context)`` of them, and FSDP2's reduce-scatter sums the
+    gradients over both. It counts as a data axis here: a batch split over 'context' on its
+    sequence computes on the global view (each process's gradient is its share, summed by
+    FSDP2), and one not split over it is split on its rows over 'fsdp' x 'context'."""
     dmesh = device_mesh(mesh)
-    names = [extra_data_axis, "fsdp"] if extra_data_axis else ["fsdp"]
-    names.sort(key=mesh.axis_names.index)
+    shard = ["fsdp"]
+    if "context" in mesh.axis_names and mesh.mesh_shape[mesh.axis_names.index("context")] > 1:
+        shard.append("context")
+    shard.sort(key=mesh.axis_names.index)
+    names = sorted(([extra_data_axis] if extra_data_axis else []) + shard, key=mesh.axis_names.index)
     data_dims = [mesh.axis_names.index(n) for n in names]
+    if len(shard) > 1:
+        flat = dmesh[tuple(shard)]._flatten("_".join(shard))
+        if not extra_data_axis:
+            return data_dims, flat
+        return data_dims, dmesh[(extra_data_axis, flat.mesh_dim_names[0])]
     return data_dims, (dmesh[tuple(names)] if len(names) > 1 else dmesh["fsdp"])
 
 
