@@ -44,3 +44,19 @@ def test_relative_links_and_anchors_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such anchor)")
     assert not broken, "\n".join(broken)
+
+
+def test_pages_are_reference_sized_and_not_a_diary():
+    """Every page of docs/ fits ~400 lines (a topic per page: docs/index.md lists them), the
+    README 250; no user-facing page cites a commit (a hash pip users and shallow clones do not
+    have) or an issue number."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in pages
+            if (n := len(p.read_text().splitlines())) > (250 if p.name == "README.md" else 400)]
+    assert not long, long
+    cited = []
+    for page in pages:
+        text = CODE.sub("", page.read_text())
+        for m in re.finditer(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b|\bissues? #?\d+|\(#\d+\)", text):
+            cited.append(f"{page.relative_to(ROOT)}: {m.group(0)!r}")
+    assert not cited, cited

@@ -2,7 +2,7 @@
 a softmax, a running maximum or product over the batch, nonzero, masked_select and unique,
 the batch size as a value) give one device's
 losses, gradients and parameters sharded: the automatic path computes locally only what it
-proves row-local (docs/guide.md), and the rest runs on the global view. The oracle is the
+proves row-local (docs/data_parallel.md), and the rest runs on the global view. The oracle is the
 same program on one plain process (tests/_row_mixing_programs.py, a clean process: one for
 every layer's oracle, computed once per test process)."""
 

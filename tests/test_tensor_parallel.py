@@ -185,7 +185,7 @@ def test_tensor_parallel_matches_one_device(dist, wrap, shape, style, batch):
             assert sum(locals_) >= whole * world // split, (k, what, locals_)  # nothing lost
     rows, seq = batch, 8
     if wrap == "pattern1" and batch % fsdp:
-        return  # DTensor's linear flattens (batch, seq): uneven rows cannot stay split (docs/guide.md)
+        return  # DTensor's linear flattens (batch, seq): uneven rows cannot stay split (docs/data_parallel.md)
     # The MLP's intermediate activation: each process holds its rows x its 'model' share of
     # the features, every element once: 1/(fsdp x model) (Pattern 1: 1/(data x model)).
     assert sum(r["act"] for r in results) == rows * seq * M.INTER

@@ -4,7 +4,7 @@ reaches torch_xla's extension point (``torch_xla.distributed.spmd.xla_distribute
 which the layer answers with the native engine. Checked on every process, at 2 and 4.
 
 (The guides' own code is run by tools/xla_guides.py from a clone of pytorch/xla; its table is in
-docs/xla_compat.md.)"""
+docs/xla_conformance.md.)"""
 
 import json
 import subprocess

@@ -2,7 +2,7 @@
 subset of pytorch/xla's test/spmd (read from a clone at v2.9.0; its code is never copied here)
 under ``--xla-compat`` on 4 processes, and every one of those tests must pass on every process.
 The whole run (every file, with the classes of the failures) is the benchmark-style script
-itself; its table is in docs/xla_compat.md.
+itself; its table is in docs/xla_conformance.md.
 
 The clone is found at ``$TORCHSPMD_XLA_CHECKOUT`` or where ``fetch`` puts it on this machine;
 without one the test is skipped, saying so."""

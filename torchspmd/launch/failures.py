@@ -212,7 +212,7 @@ def out_of_memory_hint(known: bool) -> str:
             f"torch_xla's compiled graph can free or recompute them, so a program that fits under torch_xla may "
             f"not fit here at the same batch. Fixes: activation checkpointing (checkpoint_module on each decoder "
             f"layer, before FSDPv2), a smaller batch per device, fewer processes per host; `torchspmd plan` "
-            f"predicts the memory per process of a train job, and docs/performance.md says what a step holds.")
+            f"predicts the memory per process of a train job, and docs/memory.md says what a step holds.")
 
 
 def summarize(failures: dict[int, ProcessFailure], stopped_pids: set[int] = frozenset(),

@@ -3,7 +3,7 @@
 Relaunched CPU processes get ``OMP_NUM_THREADS`` = cores / processes unless it is set, glibc
 malloc settings that reuse freed memory instead of page-faulting fresh memory every step
 (``TORCHSPMD_MALLOC=default`` keeps glibc's), and each its own share of the launcher's
-cores (``TORCHSPMD_BIND_CORES=0`` lets them run anywhere); see docs/guide.md.
+cores (``TORCHSPMD_BIND_CORES=0`` lets them run anywhere); see docs/launching.md.
 """
 
 from __future__ import annotations

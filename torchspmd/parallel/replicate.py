@@ -2,7 +2,7 @@
 
 On the native engine the module computes on each process's rows of the global batch and
 its gradients are summed in buckets by PyTorch's own DistributedDataParallel reducer
-(through shared memory when the processes share one machine: docs/guide.md, *Gradient
+(through shared memory when the processes share one machine: docs/data_parallel.md, *Gradient
 sums*); the same path is taken without the wrapper (the
 automatic data-parallel path, ``set_auto_replicate``). On the torch_xla engine GSPMD
 partitions the step and reduces the gradients itself.

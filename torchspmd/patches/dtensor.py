@@ -16,7 +16,7 @@ OP_HANDLERS = Patch(
          "means and reductions over unevenly split rows, view, dropout and random ops per shard, item(), CPU "
          "flash attention per row",
     why="DTensor's own rules average per-device means (wrong for uneven splits and unevenly ignored labels), draw "
-        "one mask for every shard on CPU meshes, and lack a rule for CPU flash attention (docs/guide.md)",
+        "one mask for every shard on CPU meshes, and lack a rule for CPU flash attention (docs/data_parallel.md)",
     versions=">=2.13,<2.16",
     feature="exact losses and per-shard randomness (the native engine's global view)",
     targets=("torch.distributed.tensor:DTensor._op_dispatcher._custom_op_handlers",),
@@ -186,7 +186,7 @@ REDISTRIBUTION_FALLBACK = Patch(
     why="some layouts DTensor's sharding propagation chooses it cannot redistribute: a value split twice on one "
         "dim (_StridedShard) over a 2D mesh raises \"_StridedShard redistribute assumes no flattened transforms\" "
         "(torch 2.13 merges its per-axis gathers into one over the flattened mesh, then refuses to run the merged "
-        "step); Pattern 1 on a (data, model) mesh failed in backward (docs/guide.md)",
+        "step); Pattern 1 on a (data, model) mesh failed in backward (docs/tensor_parallel.md)",
     versions=">=2.13,<2.16",
     feature="Pattern 1 on meshes of two or more axes",
     targets=(_REDISTRIBUTE,),

@@ -110,7 +110,7 @@ class NativeEngine(Engine):
         local = topology.local_rank()
         accelerators.set_device(backend, local)
         device = accelerators.device_of(backend, local)
-        # One program: every process continues from rank 0's random state (docs/guide.md).
+        # One program: every process continues from rank 0's random state (docs/launching.md).
         rng.synchronize(backend)
         # every patch the engine applies, now or later mid-run, checked before any step
         patches.verify(PATCHES)

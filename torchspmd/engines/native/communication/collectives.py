@@ -3,7 +3,7 @@
 
 gloo moves every byte through TCP sockets, even between processes of one machine; that
 is where FSDP on CPUs loses its time (``bench/collectives.py`` measures it). FSDPv2's
-variants (what each computes exactly: ``docs/performance.md``, measured by
+variants (what each computes exactly: ``docs/cpu_speed.md``, measured by
 ``tests/test_collectives.py``):
 
 - ``"shm"`` (processes of one machine): the collectives go through shared memory. Where
