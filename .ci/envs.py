@@ -11,7 +11,7 @@
                                         touches, against the package's range and the patches' verified ranges
 
 NAME is one of:
-  native      torch 2.13 + the [test] extra: the whole suite. It is the clone's .venv (README's test
+  native      torch 2.13 + the [test] and [docs] extras: the whole suite. It is the clone's .venv (README's test
               command installs it with ``-c .ci/lock/native.txt``); ``python`` does not build it.
   xla         torch 2.9 + torch_xla 2.9 + the [test] extra: tests/xla (the XLA engine).
   torch-2.15  torch 2.15, the newest release (what an unpinned install gets) + the [test] extra: the
@@ -46,6 +46,8 @@ LOCKS = ROOT / ".ci" / "lock"
 TORCH = {"native": ["torch==2.13.0"], "xla": ["torch==2.9.0", "torch_xla==2.9.0"], "torch-2.15": ["torch==2.15.0"]}
 UNCAPPED = {"torch-2.15", "newest"}  # installed without this machine's pip constraints (see above)
 EXTRA = "test"
+#: extras beyond EXTRA an environment installs: the native one also builds the docs site
+EXTRAS = {"native": "test,docs"}
 
 
 def cache() -> Path:
@@ -69,9 +71,10 @@ def torch_requirement() -> str:
     return next(d.replace(" ", "") for d in deps if re.match(r"torch\s*[<>=!~]", d))
 
 
-def requirements() -> list[str]:
-    """The package's requirements with the [test] extra (torch left out: TORCH pins it)."""
-    out = subprocess.run([sys.executable, str(ROOT / ".ci" / "requirements.py"), EXTRA], check=True,
+def requirements(name: str = "") -> list[str]:
+    """The package's requirements with the [test] extra (the native environment's: and [docs]),
+    torch left out: TORCH pins it."""
+    out = subprocess.run([sys.executable, str(ROOT / ".ci" / "requirements.py"), EXTRAS.get(name, EXTRA)], check=True,
                          capture_output=True, text=True).stdout
     return out.split()
 
@@ -175,7 +178,7 @@ def newest(name: str) -> str:
     python = venv(path, clear=not (Path(python).exists() and importable(python, name)))
     pins = [torch_requirement()] if name == "newest" else TORCH[name]
     run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade", "--upgrade-strategy",
-        "eager", *pins, *requirements(), uncapped=name in UNCAPPED)
+        "eager", *pins, *requirements(name), uncapped=name in UNCAPPED)
     lock = "torch-2.15" if name == "newest" else name
     diff = differences(freeze(python), read_lock(lock)) if (LOCKS / f"{lock}.txt").is_file() else []
     say(f"newest versions for {name}: " + ("the lock's" if not diff else "differ from the lock:\n" + "\n".join(diff)))

@@ -39,7 +39,7 @@ __all__ = [
     "current_step",
 ]
 
-# Environment variables read when choosing and starting an engine (documented in docs/guide.md).
+# Environment variables read when choosing and starting an engine (documented in docs/environment.md).
 ENV_BACKEND = engines.ENV_BACKEND
 ENV_NUM_DEVICES = environment.ENV_NUM_DEVICES
 XLA_CPU_NUM_DEVICES = environment.XLA_CPU_NUM_DEVICES
@@ -196,6 +196,9 @@ def process_count() -> int:
 
 
 def world_size() -> int:
+    """The devices of the job on the native engine (one process each); on the torch_xla engine,
+    what torch_xla's ``xr.world_size()`` says (1 under SPMD). ``--xla-compat`` answers
+    ``xr.world_size()`` with 1, as torch_xla does."""
     return engines.planned().world_size()
 
 
