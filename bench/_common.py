@@ -137,12 +137,63 @@ def write_result(result: str, strategy: str, tokens_per_step: int, times: list[f
     }))
 
 
+def provenance() -> str:
+    """The machine and date of a run, as one line of a report: ``Machine: <cores> CPU cores
+    (<architecture>, <CPU model>), <memory> GB memory, <GPUs>, torch <version>, Python
+    <version>; run <UTC date>.`` Every part is read from the machine (``/proc``, ``platform``,
+    ``torch``), the parts it cannot read left out; GB = 2^30 bytes."""
+    import datetime
+    import platform
+
+    cpu = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")][:1]
+    except OSError:
+        pass
+    parts = [f"{os.cpu_count()} CPU cores ({', '.join(c for c in cpu if c)})"]
+    memory = None
+    try:
+        with open("/proc/meminfo") as f:
+            memory = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            import psutil
+
+            memory = psutil.virtual_memory().total
+        except ImportError:
+            pass
+    if memory:
+        parts.append(f"{memory / 2**30:.1f} GB memory")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        if torch.cuda.is_available():
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            parts.append(", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names)))
+        parts.append(f"torch {torch.__version__}")
+    parts.append(f"Python {platform.python_version()}")
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return f"Machine: {', '.join(parts)}; run {today}."
+
+
+def with_machine(data, machine: str):
+    """A report's JSON ``data`` with a ``machine`` field (``machine``: :func:`provenance`'s
+    line): a dict gets the key, anything else becomes ``{"machine": ..., "rows": data}``."""
+    return {"machine": machine, **data} if isinstance(data, dict) else {"machine": machine, "rows": data}
+
+
 def write_report(out: Path, stem: str, lines: list[str], data) -> None:
-    """``<out>/<stem>.md`` (the report's ``lines``) and ``<out>/<stem>.json`` (``data``), and
-    the report on stdout."""
+    """``<out>/<stem>.md`` (the report's ``lines``, :func:`provenance`'s line after the
+    title) and ``<out>/<stem>.json`` (``data``, with that line as its ``machine``), and the
+    report on stdout."""
+    machine = provenance()
+    lines = [*lines[:1], "", machine, *lines[1:]]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(with_machine(data, machine), indent=1))
     print("\n".join(lines))
 
 

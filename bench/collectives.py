@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import run_worker  # noqa: E402
+from _common import provenance, run_worker, with_machine  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -113,7 +113,8 @@ def main() -> None:
     for nproc in a.nproc:
         table[nproc] = run_worker(str(Path(__file__).resolve()), ["--worker", "--mb", *map(str, a.mb), "--repeat",
                                                                  str(a.repeat)], nproc, RESULTS / ".coll.json")
-    lines = ["# gloo collectives: native vs all-reduce forms", "",
+    machine = provenance()
+    lines = ["# gloo collectives: native vs all-reduce forms", "", machine, "",
              f"`python bench/collectives.py` on this machine ({os.cpu_count()} cores); median seconds of "
              f"{a.repeat} calls (speed-up over the native collective); buffer = the whole (unsharded) size. "
              f"The shared-memory all-gather includes FSDP2's copy-in and copy-out.", "",
@@ -132,7 +133,7 @@ def main() -> None:
                 f"{cell(r, 'reduce_scatter_via_all_reduce', 'reduce_scatter')} | "
                 f"{cell(r, 'reduce_scatter_shm', 'reduce_scatter')} |")
     (RESULTS / "collectives.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "collectives.json").write_text(json.dumps(table, indent=1))
+    (RESULTS / "collectives.json").write_text(json.dumps(with_machine(table, machine), indent=1))
     print("\n".join(lines))
 
 

@@ -141,14 +141,10 @@ def main() -> None:
             print(f"{name} context {c}: {got['activation_bytes'] / 2**20:.1f} MiB saved for backward per process, "
                   f"step {got['step_s']:.2f} s", flush=True)
     base = {r["model"]: r["activation_bytes"] for r in rows if r["context"] == 1}
-    import datetime
-    import platform
+    from _common import provenance, with_machine
 
-    import torch
-
-    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, "
-               f"{datetime.date.today().isoformat()}")
-    lines = ["# Activation memory with the sequence split over 'context'", "", f"Machine: {machine}.", "",
+    machine = provenance()
+    lines = ["# Activation memory with the sequence split over 'context'", "", machine, "",
              f"Command: `python bench/context_memory.py --seq {args.seq} --batch {args.batch}` "
              f"(FSDPv2, one global batch of {args.batch} x {args.seq} tokens, mesh (1, c) ('fsdp', 'context'); "
              "bytes autograd saves for backward in one step, parameters left out, the largest process).", "",
@@ -160,7 +156,7 @@ def main() -> None:
                      f"{r['step_s']:.2f} s | {', '.join(f'{v:.4f}' for v in r['losses'])} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "context_memory.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "context_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / "context_memory.json").write_text(json.dumps(with_machine(rows, machine), indent=1) + "\n")
     print("\n".join(lines))
 
 

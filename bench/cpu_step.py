@@ -90,7 +90,7 @@ def _total() -> int:
 
 
 def main() -> None:
-    from _common import run_worker
+    from _common import provenance, run_worker, with_machine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -113,8 +113,10 @@ def main() -> None:
                   f"{row['cpu_s_per_step']:.2f} CPU-s per step, utilisation {row['utilisation']:.2f}, "
                   f"steal {row['steal_share']:.2f}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "cpu_step.json").write_text(json.dumps({str(n): v for n, v in runs.items()}, indent=1))
-    lines = ["# Where an FSDPv2 step's CPU goes as processes are added", "",
+    machine = provenance()
+    (a.out / "cpu_step.json").write_text(json.dumps(with_machine({str(n): v for n, v in runs.items()}, machine),
+                                                    indent=1))
+    lines = ["# Where an FSDPv2 step's CPU goes as processes are added", "", machine, "",
              f"`python bench/cpu_step.py --repeats {a.repeats} --nproc {' '.join(map(str, a.nproc))}` on this machine "
              f"({os.cpu_count()} cores): the seed decoder (107M), FSDPv2, 4 x 64 tokens per step, fused Adam; "
              "per run the steps after 3 warm-up steps; median (min-max) of the interleaved runs. CPU s per step: "

@@ -115,14 +115,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "dp_phases" if args.family == "seed" else f"dp_phases_{args.family}"
-    (out / f"{stem}.json").write_text(json.dumps(
-        [{"strategy": s, "nproc": n, "runs": rs} for (s, n), rs in runs.items()], indent=1))
+    from _common import provenance, with_machine
+
+    machine = provenance()
+    (out / f"{stem}.json").write_text(json.dumps(with_machine(
+        [{"strategy": s, "nproc": n, "runs": rs} for (s, n), rs in runs.items()], machine), indent=1))
 
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
     nprocs = " ".join(str(n) for n in args.nproc)
-    lines = ["# The phases of a data-parallel step", "",
+    lines = ["# The phases of a data-parallel step", "", machine, "",
              f"`python bench/dp_phases.py --family {args.family} --repeats {args.repeats} --nproc {nprocs}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): rank 0's milliseconds per phase, median over "
              f"35 steps; median (min-max) of {args.repeats} interleaved runs.", "",

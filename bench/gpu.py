@@ -323,8 +323,11 @@ def main() -> None:
     peak = _peak_flops(device_name, a.peak_tflops)
     shape = TINY if a.tiny else MEASURE
     seq = 64 if a.tiny else a.seq
+    from _common import provenance
+
+    machine = provenance()
     lines = [
-        "# One GPU: the CUDA path checked and measured", "",
+        "# One GPU: the CUDA path checked and measured", "", machine, "",
         f"`python bench/gpu.py{' --device cpu --tiny' if a.tiny else ''}` on {device_name} ({a.device}), "
         f"torch {__import__('torch').__version__}; {time.monotonic() - start:.0f} s in all.", "",
         f"## Check: world size 1, {a.check_dtype}, 4 steps, losses against plain PyTorch (rtol {rtol:g})", "",
@@ -354,7 +357,8 @@ def main() -> None:
         lines += ["", "## Stages: skipped (one GPU here; they need 2 or more)"]
     text = "\n".join(lines) + "\n"
     (Path(a.out) / "gpu.md").write_text(text)
-    (Path(a.out) / "gpu.json").write_text(json.dumps({"check": check, "verdicts": verdicts, "measure": rows,
+    (Path(a.out) / "gpu.json").write_text(json.dumps({"machine": machine, "check": check, "verdicts": verdicts,
+                                                       "measure": rows,
                                                        "stages": stages, "peak_flops": peak}, indent=1))
     print(text)
     if any(v[0] != "pass" for v in verdicts.values()):

@@ -66,7 +66,10 @@ def main() -> None:
     got = measure(rows, a.repeats)
     top = rows[-1]
     per_row_top = statistics.median(got[top]) / top
-    lines = ["# A matrix product's cost per row as the rows shrink", "",
+    from _common import provenance
+
+    machine = provenance()
+    lines = ["# A matrix product's cost per row as the rows shrink", "", machine, "",
              f"`python bench/matmul_rows.py {' '.join(['--rows', *map(str, rows), '--repeats', str(a.repeats)])}` "
              f"on this machine ({os.cpu_count()} cores, torch {torch.__version__}): one decoder layer's forward, "
              f"input-gradient and weight-gradient products (dim {DIM}, MLP {MLP}) on one core, CPU ms per layer over "
@@ -82,7 +85,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "matmul_rows.md").write_text("\n".join(lines) + "\n")
-    (out / "matmul_rows.json").write_text(json.dumps({"rows": rows_out, "repeats": a.repeats}, indent=1))
+    (out / "matmul_rows.json").write_text(json.dumps({"machine": machine, "rows": rows_out, "repeats": a.repeats},
+                                                     indent=1))
     print("\n".join(lines))
 
 

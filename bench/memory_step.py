@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import run_measured  # noqa: E402
+from _common import provenance, run_measured  # noqa: E402
 
 RESULTS = HERE / "results"
 SETTINGS = {
@@ -162,7 +162,9 @@ def main() -> None:
         f" --out {a.out}" if out.resolve() != RESULTS.resolve() else "")
     mp_text = f", mixed_precision='{a.mixed_precision}'" if a.mixed_precision else ""
     stem = f"memory_step_{a.mixed_precision}" if a.mixed_precision else "memory_step"
+    machine = provenance()
     lines = ["# Where an FSDPv2 process's memory goes" + (f" ({a.mixed_precision})" if a.mixed_precision else ""), "",
+             machine, "",
              f"`python bench/memory_step.py --nproc {a.nproc} --steps {a.steps} --repeats {a.repeats} --settings "
              f"{' '.join(names)}{mp_arg}` on this machine "
              f"({os.cpu_count()} cores, torch {torch.__version__}): the seed decoder (107M parameters, one FSDPv2 unit "
@@ -188,7 +190,7 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"runs": runs, "nproc": a.nproc, "steps": a.steps,
+    (out / f"{stem}.json").write_text(json.dumps({"machine": machine, "runs": runs, "nproc": a.nproc, "steps": a.steps,
                                                       "mixed_precision": a.mixed_precision}, indent=1))
     print(text)
 

@@ -147,9 +147,13 @@ def main() -> None:
                       f"{row['cpu_s_per_step']:.2f} CPU-s per step (" +
                       ", ".join(f"{k} {v:.2f}" for k, v in top) + ")", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "perf_step.json").write_text(json.dumps({str(n): v for n, v in runs.items()}, indent=1))
+    from _common import provenance, with_machine
+
+    machine = provenance()
+    (a.out / "perf_step.json").write_text(json.dumps(with_machine({str(n): v for n, v in runs.items()}, machine),
+                                                     indent=1))
     counts = a.nproc
-    lines = ["# Where an FSDPv2 step's CPU time goes, by kind of code", "",
+    lines = ["# Where an FSDPv2 step's CPU time goes, by kind of code", "", machine, "",
              f"`python bench/perf_step.py --repeats {a.repeats} --nproc {' '.join(map(str, counts))}"
              + ("" if (a.steps, a.warmup, a.freq) == (14, 7, 499) else
                 f" --steps {a.steps} --warmup {a.warmup} --freq {a.freq}") + "` on this machine "

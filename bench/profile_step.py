@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import run_worker  # noqa: E402
+from _common import provenance, run_worker, with_machine  # noqa: E402
 
 RESULTS = HERE / "results"
 KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product",
@@ -148,9 +148,12 @@ def main() -> None:
                                                          str(a.warmup)], n, RESULTS / f".profile_{n}.json")
         rows.append(row)
         print(json.dumps(row["profiled_shares"]), flush=True)
-    (RESULTS / "profile_step.json").write_text(json.dumps(rows, indent=1))
+    machine = provenance()
+    (RESULTS / "profile_step.json").write_text(json.dumps(with_machine(rows, machine), indent=1))
     lines = [
         "# Where an FSDPv2 step's time goes",
+        "",
+        machine,
         "",
         f"`python bench/profile_step.py --nproc {' '.join(map(str, a.nproc))} --steps {a.steps} --warmup {a.warmup}` "
         f"on this machine: the seed decoder (107M parameters, one FSDPv2 unit per layer, fused Adam, 4 x 64 tokens per "

@@ -128,11 +128,16 @@ def main() -> None:
               f"digest {runs['digest'][-1]} GB/s matmul {runs['matmul'][-1]}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "startup.json").write_text(json.dumps(runs, indent=1))
+    from _common import provenance, with_machine
+
+    machine = provenance()
+    (out / "startup.json").write_text(json.dumps(with_machine(runs, machine), indent=1))
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     isa = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in flags]
     lines = [
         "# Before the first step; bf16 on this CPU",
+        "",
+        machine,
         "",
         f"`python bench/startup.py --repeats {args.repeats}` on this machine: {platform.machine()}, "
         f"{os.cpu_count()} cores ({', '.join(isa) or 'no bf16 instructions'}), torch {torch.__version__}. "

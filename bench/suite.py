@@ -85,6 +85,7 @@ sys.path.insert(0, str(HERE))
 from _common import (  # noqa: E402
     CpuUse,
     per_process_loader,
+    provenance,
     run_measured,
     run_worker,
     timed_steps,
@@ -367,8 +368,9 @@ def run_2d(repeats: int, steps: int, warmup: int) -> None:
         })
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[TWO_D[0]], runs[TWO_D[1]])]
     cores = os.cpu_count() or 1
+    machine = provenance()
     lines = [
-        "## 2D: tensor parallel x FSDP, 4 processes on a (2, 2) mesh", "",
+        "## 2D: tensor parallel x FSDP, 4 processes on a (2, 2) mesh", "", machine, "",
         f"`python bench/suite.py --2d --repeats {repeats} --steps {steps} --warmup {warmup}` on this machine: "
         f"{platform.machine()}, {cores} cores, torch {torch.__version__}, gloo. Seed decoder {SMALL}, "
         f"global batch {BATCH} x {SEQ} tokens (2 rows per data-parallel group), Adam; MLP (`up` column-, "
@@ -401,7 +403,7 @@ def run_2d(repeats: int, steps: int, warmup: int) -> None:
     text = "\n".join(lines)
     (HERE / "results" / "suite_2d.md").write_text(text)
     (HERE / "results" / "suite_2d.json").write_text(json.dumps(
-        {"rows": rows, "reference": ref, "ratios": ratios, "runs": runs}, indent=1))
+        {"machine": machine, "rows": rows, "reference": ref, "ratios": ratios, "runs": runs}, indent=1))
     print(text)
 
 
@@ -661,7 +663,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         return _write(out, saved["results"], saved.get("scaling", []), saved.get("failed", []),
                       saved.get("steps", a.steps), saved.get("warmup", a.warmup), saved["repeats"],
-                      saved.get("command", "python bench/suite.py"), saved.get("dtype", "fp32"))
+                      saved.get("command", "python bench/suite.py"), saved.get("dtype", "fp32"),
+                      saved.get("machine") or f"Machine: not recorded in {a.tables_from}.")
     if a.two_d:
         return run_2d(a.repeats, a.steps, a.warmup)
     xla = _xla_python()
@@ -742,8 +745,11 @@ def main() -> None:
                     continue
                 scaling.append({**row, "size": size, "nproc": nproc})
     stem = _stem(a.dtype)
+    machine = provenance()
     if a.update and (out / f"{stem}.json").exists():
         old = json.loads((out / f"{stem}.json").read_text())
+        first = (old.get("machine") or "machine not recorded").split(" Rows not marked *: ")[-1]
+        machine += f" Rows not marked *: {first}"  # those of the first run
         for model, rows in results.items():
             new = {(r["strategy"], r["nproc"]) for r in rows}
             kept = [r for r in old["results"].get(model, []) if (r["strategy"], r["nproc"]) not in new]
@@ -757,7 +763,7 @@ def main() -> None:
                 if (model, r["strategy"], r["nproc"]) in runs:
                     r["run"] = old.get("run", 1) + 1
     _write(out, results, scaling, failed, a.steps, a.warmup, a.repeats, " ".join(["python bench/suite.py", *sys.argv[1:]]),
-           a.dtype)
+           a.dtype, machine)
 
 
 def _stem(dtype: str) -> str:
@@ -765,13 +771,15 @@ def _stem(dtype: str) -> str:
 
 
 def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, warmup: int, repeats: int,
-           command: str, dtype: str = "fp32") -> None:
+           command: str, dtype: str = "fp32", machine: str | None = None) -> None:
     """The tables (suite.md), suite.json and suite.png of these results under ``out``
-    (suite_bf16.* for ``dtype="bf16"``); no other file is written."""
+    (suite_bf16.* for ``dtype="bf16"``); no other file is written. ``machine``: the
+    ``Machine:`` line of the run (default: :func:`provenance`, this run's)."""
     import torch
 
     stem = _stem(dtype)
-    lines = ["## Benchmarks" + (" in bf16" if dtype == "bf16" else ""), "",
+    machine = machine or provenance()
+    lines = ["## Benchmarks" + (" in bf16" if dtype == "bf16" else ""), "", machine, "",
              f"`{command}` on this machine: {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, gloo; global batch {BATCH} x {SEQ} tokens, Adam (PyTorch's fused CPU kernel; torch_xla's runs "
              f"compile theirs into the step), one FSDP unit per decoder layer; every process with the malloc settings "
@@ -805,7 +813,8 @@ def _write(out: Path, results: dict, scaling: list, failed: list, steps: int, wa
         lines.append("")
     text = "\n".join(lines)
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"results": results, "scaling": scaling, "repeats": repeats,
+    (out / f"{stem}.json").write_text(json.dumps({"machine": machine, "results": results, "scaling": scaling,
+                                                  "repeats": repeats,
                                                   "steps": steps, "warmup": warmup, "failed": failed,
                                                   "command": command, "run": max([1, *later]), "dtype": dtype},
                                                  indent=1))

@@ -77,7 +77,10 @@ def main() -> None:
             print(f"round {r + 1}/{a.rounds} {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in result.items()),
                   flush=True)
     head_label = a.head or "working tree"
-    lines = [f"# {head_label} against {a.base}", "",
+    from _common import provenance
+
+    machine = provenance()
+    lines = [f"# {head_label} against {a.base}", "", machine, "",
              f"`python bench/versions.py {a.base}{' ' + a.head if a.head else ''} --rounds {a.rounds} -- "
              f"{' '.join(suite_args)}`: {a.rounds} rounds, the versions alternating (order flipped every round); "
              f"tokens/s as median (min-max) over the rounds, the ratio per round.", "",
@@ -91,7 +94,8 @@ def main() -> None:
         table[key] = {"base": base, "head": head, "ratios": ratios}
         lines.append(f"| {key} | {_span(base, '.0f')} | {_span(head, '.0f')} | {_span(ratios, '.3f')} |")
     (out / "versions.md").write_text("\n".join(lines) + "\n")
-    (out / "versions.json").write_text(json.dumps({"base": a.base, "head": head_label, "rounds": a.rounds,
+    (out / "versions.json").write_text(json.dumps({"machine": machine, "base": a.base, "head": head_label,
+                                                   "rounds": a.rounds,
                                                    "suite_args": suite_args, "configurations": table}, indent=1))
     print("\n".join(lines))
 

@@ -1,4 +1,5 @@
-"""Writing a generated table between two marker lines of a document (the tools' tables in docs/)."""
+"""Writing a generated table between two marker lines of a document (the tools' tables in docs/),
+and the machine line of a results file (the benchmarks' own, ``bench/_common.provenance``)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,15 @@ def replace_between(doc: Path, begin: str, end: str, table: str) -> bool:
     _, tail = rest.split(end, 1)
     doc.write_text(head + begin + "\n" + table + "\n" + end + tail)
     return True
+
+
+def machine_line() -> str:
+    """The benchmarks' ``Machine: ...; run <date>.`` line for a tool's results file."""
+    import sys
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from _common import provenance
+
+    return provenance()

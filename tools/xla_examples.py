@@ -1,7 +1,7 @@
 """torch_xla's SPMD examples, unchanged, under ``torchspmd run --xla-compat``: do they train?
 
     python tools/xla_examples.py [--xla /path/to/pytorch-xla] [--ref v2.9.0] [--nproc 2]
-                                 [--timeout 900] [--out bench/results/xla_examples] [--doc docs/xla_compat.md]
+                                 [--timeout 900] [--out bench/results/xla_examples] [--doc docs/xla_conformance.md]
 
 The examples (``examples/`` of pytorch/xla at ``--ref``) are read from a clone (``--xla``) into a
 temporary directory; their code is never copied into this repository. Each runs as it is, at its own
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from doc_tables import replace_between
+from doc_tables import machine_line, replace_between
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -179,7 +179,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--memory-cap-gb", type=float, default=14, help="stop a run whose processes hold more")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "xla_examples")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_compat.md")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_conformance.md")
     p.add_argument("--xla-python", type=Path, default=XLA_PYTHON, help="a python with torch_xla, for the memory "
                                                                        "comparison")
     p.add_argument("--from-results", type=Path, nargs="*", help="make the table from earlier runs' results.json")
@@ -230,7 +230,8 @@ def main(argv: list[str]) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps({"ref": a.ref, "nproc": a.nproc, "examples": rows,
                                                     "memory": compared}, indent=1))
-    (a.out / "results.md").write_text(f"# torch_xla {a.ref} examples under --xla-compat\n\n" + table + "\n")
+    (a.out / "results.md").write_text(f"# torch_xla {a.ref} examples under --xla-compat\n\n" + machine_line() + "\n\n"
+                                      + table + "\n")
     replace_between(a.doc, MARK_BEGIN, MARK_END, table)
     print(table)
 

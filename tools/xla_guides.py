@@ -1,7 +1,7 @@
 """The code of torch_xla's SPMD and FSDPv2 user guides, as a user pastes it, under ``--xla-compat``.
 
     python tools/xla_guides.py [--xla /path/to/pytorch-xla] [--ref v2.9.0] [--nproc 4]
-                               [--out bench/results/xla_guides] [--doc docs/xla_compat.md]
+                               [--out bench/results/xla_guides] [--doc docs/xla_conformance.md]
 
 The guides (``docs/source/perf/{spmd_basic,spmd_advanced,fsdp_spmd,spmd_distributed_checkpoint}.md``
 of pytorch/xla at ``--ref``) are read from a clone (``--xla``); their code is never copied into this
@@ -29,7 +29,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
-from doc_tables import replace_between
+from doc_tables import machine_line, replace_between
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--xla-python", type=Path, default=XLA_PYTHON, help="a python with torch_xla, for its column")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "xla_guides")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_compat.md")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_conformance.md")
     a = p.parse_args(argv)
     rows = []
     xla_python = a.xla_python if a.xla_python.exists() else None
@@ -285,6 +285,7 @@ def main(argv: list[str]) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps({"ref": a.ref, "nproc": a.nproc, "blocks": rows}, indent=1))
     (a.out / "results.md").write_text(f"# torch_xla {a.ref} SPMD guides under --xla-compat, {a.nproc} processes\n\n"
+                                      + machine_line() + "\n\n"
                                       + table + "\n")
     replace_between(a.doc, MARK_BEGIN, MARK_END, table)
     print(table)

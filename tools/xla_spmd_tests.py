@@ -2,7 +2,7 @@
 
     python tools/xla_spmd_tests.py [--xla /path/to/pytorch-xla] [--ref v2.9.0] [--nproc 4]
                                    [--files test_fsdp_v2.py ...] [--out bench/results/xla_spmd_tests]
-                                   [--doc docs/xla_compat.md]
+                                   [--doc docs/xla_conformance.md]
 
 The test files are read from a clone of pytorch/xla (``--xla``, at ``--ref``) into a temporary
 directory: their code is never copied into this repository. Each file runs as its own program on
@@ -41,7 +41,7 @@ import traceback
 import unittest
 from pathlib import Path
 
-from doc_tables import replace_between
+from doc_tables import machine_line, replace_between
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -382,7 +382,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--test-timeout", type=float, default=120, help="seconds a test may take")
     p.add_argument("--file-timeout", type=float, default=1200, help="seconds one start of a file may take")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "xla_spmd_tests")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_compat.md")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "xla_conformance.md")
     p.add_argument("--xla-python", type=Path, default=XLA_PYTHON,
                    help="a python with torch_xla: a test that fails here is also run on torch_xla itself (one "
                         "process, --nproc CPU devices); one that fails there too is not counted")
@@ -427,6 +427,7 @@ def main(argv: list[str]) -> None:
     details += [f"| {t} | {r['class']} | {r['why'].replace('|', '/')} |" for t, r in sorted(results.items())
                 if r["class"] not in ("passed",)]
     (a.out / "results.md").write_text(f"# torch_xla {a.ref} test/spmd under --xla-compat, {a.nproc} processes\n\n"
+                                      + machine_line() + "\n\n"
                                       + table + "\n" + "\n".join(details) + "\n")
     replace_between(a.doc, MARK_BEGIN, MARK_END, table)
     print(table)
