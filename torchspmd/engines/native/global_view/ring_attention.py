@@ -9,7 +9,9 @@ passes the block to the next process of the axis and takes the previous one's. T
 pass runs the ring again with each block's key and value gradients travelling with it, and
 one more pass brings them home. Grouped-query attention passes keys and values at their own
 (smaller) width. The mask is given as this process's rows over all keys (or as ``causal``:
-built per block from the global positions).
+built per block from the global positions; a block whose keys all follow this process's last
+row is not computed, forward or backward: it would add exactly nothing, so the process of the
+first positions computes one block, the last one n).
 
 Every process computes each of its rows from every key once, so the result is one device's up
 to the order of the sums (fp32: within rtol 1e-5 at the tests' sizes).
@@ -65,6 +67,12 @@ class _Ring:
         return received
 
 
+def _after_every_row(cols, rows_start: int, rows: int, causal: bool) -> bool:
+    """Whether a causal block's keys all come after this process's last query row: every
+    score masked, the block adds exactly nothing (forward and backward) and is not computed."""
+    return causal and cols[0] >= rows_start + rows
+
+
 def _scores(q, k, scale, rows_start, cols, mask, causal):
     """Float32 scores of ``q`` against the block ``k`` holding key positions ``cols``
     (start, length), with the mask applied (-inf where not attended)."""
@@ -104,7 +112,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.n):
             src = (ring.me - step) % ring.n
             cols = ring.blocks[src]
-            if cols[1] and q.shape[-2]:
+            if cols[1] and q.shape[-2] and not _after_every_row(cols, rows_start, q.shape[-2], causal):
                 kk = _expand(kb[..., :cols[1], :], rep).float()
                 vv = _expand(vb[..., :cols[1], :], rep).float()
                 s = _scores(qf, kk, scale, rows_start, cols, mask, causal)
@@ -137,7 +145,7 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.me - step) % ring.n
             cols = ring.blocks[src]
             n = cols[1]
-            if n and q.shape[-2]:
+            if n and q.shape[-2] and not _after_every_row(cols, ctx.rows_start, q.shape[-2], ctx.causal):
                 kk = _expand(kb[..., :n, :], rep).float()
                 vv = _expand(vb[..., :n, :], rep).float()
                 s = _scores(qf, kk, scale, ctx.rows_start, cols, ctx.mask, ctx.causal)
