@@ -54,9 +54,12 @@ class MpDeviceLoader(abc.ABC):
             the batch's dict (every key needs one). ``None``: the batch is replicated. A
             tensor whose rank does not fit the spec is split on its batch dim like the
             others (same global value, rows kept where they are used).
-        loader_prefetch_size, device_prefetch_size: batches read ahead / kept ready (on the
-            native engine, by the background thread of a device other than the CPU; on
-            the CPU batches are read at ``next()``).
+        loader_prefetch_size, device_prefetch_size: batches read ahead / kept ready. On the
+            native engine only ``device_prefetch_size`` is used (the batches the background
+            thread of a device other than the CPU keeps ready; on the CPU batches are read at
+            ``next()``); ``loader_prefetch_size`` goes to torch_xla's loader on the torch_xla
+            engine; ``host_to_device_transfer_threads`` is accepted for torch_xla's signature
+            and used by neither engine.
         batchdim: the batch dim of the loader's tensors (per-process reading needs 0).
         fixed_batch_size: stop at the first batch whose size differs from the first one
             (drops an odd last batch).

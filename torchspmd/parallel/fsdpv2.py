@@ -55,9 +55,10 @@ class SpmdFullyShardedDataParallel(abc.ABC):
             every unit but the outermost, whose parameters backward needs again at once
             (FSDP2's default); ``True``: the outermost too; ``False``: none.
         cpu_offload: keep the shards (and their gradients and optimizer state) in CPU memory.
-        collectives: ``"auto"`` (all-reduce forms of all-gather and reduce-scatter on gloo,
-            where they are faster; FSDP2's own on NCCL), ``"native"``, ``"allreduce"`` or
-            ``"shm"`` (``torchspmd/engines/native/communication/collectives.py``).
+        collectives: ``"auto"`` (shared-memory collectives for a gloo group of CPU processes on
+            one machine, the all-reduce form of the reduce-scatter for gloo across machines,
+            FSDP2's own elsewhere, as on NCCL), ``"native"``, ``"allreduce"`` or ``"shm"``
+            (``torchspmd/engines/native/communication/collectives.py``).
         strict_sharding: refuse (``SpmdError``) a parameter annotated over a non-data axis
             that cannot compute tensor-parallel and would be gathered whole (by default a
             ``GatheredWholeWarning`` names it); see ``torchspmd/engines/native/wrappers/tensor_parallel.py``.
