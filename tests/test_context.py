@@ -40,6 +40,9 @@ MODELS = {
     "sdpa_float": dict(BASE, model="sdpa", mask="float"),
     "sdpa_memory": dict(BASE, model="sdpa", mask="memory"),
     "llama": dict(BASE, model="llama"),
+    # sequences 2 x the processes divide: causal attention in torch's head-tail layout
+    "sdpa_causal_16": dict(BASE, model="sdpa", mask="causal", seq=16),
+    "llama_16": dict(BASE, model="llama", seq=16),
 }
 
 
@@ -114,7 +117,7 @@ def test_pattern1_with_the_sequence_over_context_is_one_devices(dist, name):
     _check(dist(2).run(_spmd, MODELS[name], (1, 2), False), MODELS[name])
 
 
-@pytest.mark.parametrize("name", ["mha_causal", "sdpa_documents", "llama"])
+@pytest.mark.parametrize("name", ["mha_causal", "sdpa_documents", "llama", "sdpa_causal_16", "llama_16"])
 def test_pattern1_over_four_context_processes(dist, name):
     _check(dist(4).run(_spmd, MODELS[name], (1, 4), False), MODELS[name])
 
@@ -160,6 +163,62 @@ def test_explain_shows_the_rings_sends(dist):
             found = [r for r in rows if r[0] == family and r[1] == phase]
             assert found and all(r[2] == "context" and r[4] for r in found), (family, phase, rows)
     assert "send" in text
+
+
+def _ring_direct(seq, kv_heads, causal):
+    """ring_attention on this process's block of random q, k, v against torch's SDPA of the
+    whole (run by every process, on the same numbers), and the layouts its ring used."""
+    import torch.distributed as dist_
+    import torch.nn.functional as F
+
+    from torchspmd.engines.native.global_view import ring_attention as R
+
+    ts.use_spmd()
+    n, me = dist_.get_world_size(), dist_.get_rank()
+    used = []
+
+    class Ring(R._Ring):
+        def __init__(self, group, layout):
+            super().__init__(group, layout)
+            used.append(layout)
+
+    R._Ring, original = Ring, R._Ring
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64).float().requires_grad_()
+        k = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
+        v = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
+        grad = torch.randn(2, 4, seq, 8, generator=g)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4)
+        want.backward(grad)
+        (start, length), = R._in_order(seq, n)[me]
+        mine = [t.detach()[..., start:start + length, :].clone().requires_grad_() for t in (q, k, v)]
+        got = R.ring_attention(*mine, group=dist_.group.WORLD, seq_len=seq, causal=causal)
+        got.backward(grad[..., start:start + length, :])
+        r = slice(start, start + length)
+        return dict(out=(got.detach(), want.detach()[..., r, :]),
+                    grads=[(m.grad, t.grad[..., r, :]) for m, t in zip(mine, (q, k, v))], layouts=used)
+    finally:
+        R._Ring = original
+
+
+@pytest.mark.parametrize("n,seq,kv_heads", [(2, 16, 4), (4, 16, 2), (4, 13, 4)], ids=["c2", "c4_gqa", "c4_uneven"])
+def test_causal_ring_attention_runs_in_the_head_tail_layout(dist, n, seq, kv_heads):
+    """A causal ring over a sequence 2n divides runs in torch's head-tail layout (process i:
+    chunks i and 2n - 1 - i of 2n), its output and gradients back in order and equal to
+    SDPA's on the whole sequence; an uneven sequence keeps the blocks in order."""
+    from torchspmd.engines.native.global_view import ring_attention as R
+
+    for r in dist(n).run(_ring_direct, seq, kv_heads, True):
+        got, want = r["out"]
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        for got, want in r["grads"]:
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        balanced = R._head_tail(seq, n)
+        assert r["layouts"] == [balanced if balanced else R._in_order(seq, n)], r["layouts"]
+        if balanced:
+            h = seq // (2 * n)
+            assert balanced[0] == [(0, h), ((2 * n - 1) * h, h)]
 
 
 def test_a_sequence_shorter_than_the_axis(dist):

@@ -165,7 +165,7 @@ def attend(args: tuple, kwargs: dict) -> DTensor | None:
         causal = bool(a.get("is_causal"))
         rows_mask = _mask_rows(mask, q, axes, start, length) if mask is not None and not causal else None
         out = ring_attention(q_local, _local(k), _local(v), group=mesh.get_group(axis), seq_len=k.shape[seq],
-                             rows_start=start, mask=rows_mask, causal=causal, scale=a.get("scale"))
+                             mask=rows_mask, causal=causal, scale=a.get("scale"))
         shape = (*q.shape[:-1], v.shape[-1])
         return DTensor.from_local(out.contiguous(), mesh, q.placements, run_check=False, shape=torch.Size(shape),
                                   stride=contiguous_stride(shape))
