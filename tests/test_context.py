@@ -165,7 +165,7 @@ def test_explain_shows_the_rings_sends(dist):
     assert "send" in text
 
 
-def _ring_direct(seq, kv_heads, causal):
+def _ring_direct(seq, kv_heads, causal, tile_bytes=None):
     """ring_attention on this process's block of random q, k, v against torch's SDPA of the
     whole (run by every process, on the same numbers), and the layouts its ring used."""
     import torch.distributed as dist_
@@ -182,39 +182,47 @@ def _ring_direct(seq, kv_heads, causal):
             super().__init__(group, layout)
             used.append(layout)
 
-    R._Ring, original = Ring, R._Ring
+    R._Ring, original, tiles = Ring, R._Ring, R.TILE_BYTES
+    R.TILE_BYTES = tile_bytes or tiles
     try:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64).float().requires_grad_()
         k = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
         v = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
         grad = torch.randn(2, 4, seq, 8, generator=g)
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4)
+        # not causal: a random boolean mask per row (each row attends its own position)
+        mask = None if causal else (torch.rand(2, 1, seq, seq, generator=g) < 0.5) | torch.eye(seq, dtype=torch.bool)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != 4)
         want.backward(grad)
         (start, length), = R._in_order(seq, n)[me]
         mine = [t.detach()[..., start:start + length, :].clone().requires_grad_() for t in (q, k, v)]
-        got = R.ring_attention(*mine, group=dist_.group.WORLD, seq_len=seq, causal=causal)
+        rows_mask = None if mask is None else mask[..., start:start + length, :]
+        got = R.ring_attention(*mine, group=dist_.group.WORLD, seq_len=seq, causal=causal, mask=rows_mask)
         got.backward(grad[..., start:start + length, :])
         r = slice(start, start + length)
         return dict(out=(got.detach(), want.detach()[..., r, :]),
                     grads=[(m.grad, t.grad[..., r, :]) for m, t in zip(mine, (q, k, v))], layouts=used)
     finally:
-        R._Ring = original
+        R._Ring, R.TILE_BYTES = original, tiles
 
 
-@pytest.mark.parametrize("n,seq,kv_heads", [(2, 16, 4), (4, 16, 2), (4, 13, 4)], ids=["c2", "c4_gqa", "c4_uneven"])
-def test_causal_ring_attention_runs_in_the_head_tail_layout(dist, n, seq, kv_heads):
+@pytest.mark.parametrize("n,seq,kv_heads,causal,tile", [(2, 16, 4, True, None), (4, 16, 2, True, None),
+                                                       (4, 13, 4, True, None), (4, 16, 2, True, 2 * 4 * 4 * 3),
+                                                       (2, 13, 4, False, 2 * 4 * 4 * 3)],
+                         ids=["c2", "c4_gqa", "c4_uneven", "c4_tiled", "c2_mask_tiled"])
+def test_causal_ring_attention_runs_in_the_head_tail_layout(dist, n, seq, kv_heads, causal, tile):
     """A causal ring over a sequence 2n divides runs in torch's head-tail layout (process i:
     chunks i and 2n - 1 - i of 2n), its output and gradients back in order and equal to
-    SDPA's on the whole sequence; an uneven sequence keeps the blocks in order."""
+    SDPA's on the whole sequence; an uneven sequence, or another mask, keeps the blocks in
+    order. ``tile``: the scores computed one query row at a time (TILE_BYTES that small)."""
     from torchspmd.engines.native.global_view import ring_attention as R
 
-    for r in dist(n).run(_ring_direct, seq, kv_heads, True):
+    for r in dist(n).run(_ring_direct, seq, kv_heads, causal, tile):
         got, want = r["out"]
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         for got, want in r["grads"]:
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-        balanced = R._head_tail(seq, n)
+        balanced = R._head_tail(seq, n) if causal else None
         assert r["layouts"] == [balanced if balanced else R._in_order(seq, n)], r["layouts"]
         if balanced:
             h = seq // (2 * n)

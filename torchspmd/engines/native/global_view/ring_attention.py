@@ -110,6 +110,22 @@ def _pairs(rows: Segments, cols: Segments, causal: bool) -> list[tuple[int, int,
     return out
 
 
+#: the float32 scores one step computes at once (bytes): the query rows of a pair are taken in
+#: tiles that keep the scores, their exponentials and (backward) their gradients this small,
+#: whatever the sequence (rows are independent: the result is the same)
+TILE_BYTES = 64 * 2**20
+
+
+def _tiles(pairs, heads_rows: int):
+    """Each pair's query rows cut in tiles: (row offset, row start, row count, key offset, key
+    start, key count) with at most TILE_BYTES of scores each (``heads_rows``: the elements
+    of the query's dims before the rows, batch x heads)."""
+    for ro, rs, rn, ko, ks, kn in pairs:
+        step = max(1, TILE_BYTES // (4 * max(1, heads_rows) * kn))
+        for t in range(0, rn, step):
+            yield ro + t, rs + t, min(step, rn - t), ko, ks, kn
+
+
 def _scores(q, k, scale, rows_start, cols_start, mask, causal):
     """Float32 scores of the query rows ``q`` (global positions from ``rows_start``) against
     the keys ``k`` (from ``cols_start``), with the mask applied (-inf where not attended).
@@ -157,7 +173,7 @@ class _RingAttention(torch.autograd.Function):
         mine = ring.layout[ring.me]
         for step in range(ring.n):
             src = (ring.me - step) % ring.n
-            for ro, rs, rn, ko, ks, kn in _pairs(mine, ring.layout[src], causal):
+            for ro, rs, rn, ko, ks, kn in _tiles(_pairs(mine, ring.layout[src], causal), math.prod(rows[:-1])):
                 kk = _expand(kb[..., ko:ko + kn, :], rep).float()
                 vv = _expand(vb[..., ko:ko + kn, :], rep).float()
                 s = _scores(qf[..., ro:ro + rn, :], kk, scale, rs, ks, _mask_rows(mask, ro, rn, rows[-1]), causal)
@@ -192,7 +208,8 @@ class _RingAttention(torch.autograd.Function):
         rows = q.shape[-2]
         for step in range(ring.n):
             src = (ring.me - step) % ring.n
-            for ro, rs, rn, ko, ks, kn in _pairs(mine, ring.layout[src], ctx.causal):
+            for ro, rs, rn, ko, ks, kn in _tiles(_pairs(mine, ring.layout[src], ctx.causal),
+                                                 math.prod(q.shape[:-2])):
                 kk = _expand(kb[..., ko:ko + kn, :], rep).float()
                 vv = _expand(vb[..., ko:ko + kn, :], rep).float()
                 r = slice(ro, ro + rn)
