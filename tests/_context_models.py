@@ -7,7 +7,7 @@ transformers (no torchspmd: the one-device oracle runs them in a clean process).
   inside from the global positions: ``causal`` (``is_causal``), ``padding`` (a 4D boolean mask
   hiding each row's last keys), ``keys`` (the same as a (rows, 1, 1, seq) mask), ``documents`` (block-diagonal causal: documents of 4 tokens),
   ``float`` (an additive (seq, seq) mask), ``memory`` (cross-attention to learned memory tokens:
-  keys and values not split);
+  keys and values not split); ``dropout``: attention dropout with that probability;
 - ``llama``: a transformers Llama (RoPE, grouped-query attention, SDPA) taking ``labels`` (its
   loss computed inside, the labels shifted there).
 """
@@ -56,7 +56,7 @@ class SdpaLayer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         dim = cfg["dim"]
-        self.heads, self.kind = cfg["heads"], cfg["mask"]
+        self.heads, self.kind, self.dropout = cfg["heads"], cfg["mask"], cfg.get("dropout", 0.0)
         # "memory": cross-attention to 5 learned memory tokens (keys and values not split)
         self.memory = nn.Parameter(torch.randn(5, dim) * 0.5) if self.kind == "memory" else None
         self.norm1, self.norm2 = P.RMSNorm(dim), P.RMSNorm(dim)
@@ -74,7 +74,8 @@ class SdpaLayer(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v)
         else:
             k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (k, v))
-            a = F.scaled_dot_product_attention(q, k, v, **_mask(self.kind, b, t, x.device))
+            a = F.scaled_dot_product_attention(q, k, v, **_mask(self.kind, b, t, x.device),
+                                               dropout_p=self.dropout if self.training else 0.0)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 

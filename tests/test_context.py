@@ -229,6 +229,23 @@ def test_causal_ring_attention_runs_in_the_head_tail_layout(dist, n, seq, kv_hea
             assert balanced[0] == [(0, h), ((2 * n - 1) * h, h)]
 
 
+def _dropout(cfg):
+    try:
+        _spmd(cfg, (1, 2), False)
+    except ts.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_attention_dropout_on_a_split_sequence_is_refused_on_every_process(dist):
+    """Attention dropout draws one random mask over the whole (rows, heads, seq, seq) on one
+    device; with the sequence split over 'context' it cannot be drawn alike: refused, naming
+    the argument and the axis, the same on every process."""
+    out = dist(2).run(_dropout, dict(MODELS["sdpa_causal"], dropout=0.2))
+    assert out[0] is not None and all(o == out[0] for o in out), out
+    assert "dropout_p=0.2" in out[0] and "'context'" in out[0] and "attention_dropout = 0.0" in out[0]
+
+
 def test_a_sequence_shorter_than_the_axis(dist):
     cfg = dict(MODELS["sdpa_causal"], seq=3)
     _check(dist(4).run(_spmd, cfg, (1, 4), False), cfg, split=False)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torchspmd.engines.native.global_view.ring_attention import ring_attention
+from torchspmd.errors import SpmdError
 from torchspmd.layouts.blocks import contiguous_stride
 from torchspmd.tree import walk_tensors
 
@@ -146,6 +147,13 @@ def attend(args: tuple, kwargs: dict) -> DTensor | None:
         return None
     axes = split_sequence_axes(q)
     mask = a.get("attn_mask")
+    if axes and a.get("dropout_p", 0.0) and mesh.size(axes[0]) > 1:
+        names = mesh.mesh_dim_names or ()
+        axis = repr(names[axes[0]]) if axes[0] < len(names) else f"mesh dim {axes[0]}"
+        raise SpmdError(f"F.scaled_dot_product_attention(dropout_p={a['dropout_p']}) on a sequence split over "
+                        f"{axis}: attention dropout is not supported there (its random mask over the whole "
+                        f"sequence cannot be drawn as one device draws it); set the attention dropout to 0 "
+                        f"(transformers: config.attention_dropout = 0.0) or do not split the sequence")
     if len(axes) != 1 or a.get("dropout_p", 0.0) or any(p.is_partial() for t in (q, k, v) for p in t.placements):
         return None
     if isinstance(mask, torch.Tensor) and (mask.requires_grad or mask.ndim > q.ndim or a.get("is_causal")):
