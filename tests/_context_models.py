@@ -145,3 +145,26 @@ def oracle(cfg) -> dict:
         opt.step()
         losses.append(value.item())
     return dict(losses=losses, grads=grads, params={k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def ring_inputs(seq: int, kv_heads: int, causal: bool) -> dict:
+    """Random q, k, v (4 query heads, ``kv_heads`` key-value heads), the output's gradient and,
+    when not ``causal``, a boolean mask per row (each row attends its own position): the same
+    numbers wherever they are drawn."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq, 8, generator=g)
+    k = torch.randn(2, kv_heads, seq, 8, generator=g)
+    v = torch.randn(2, kv_heads, seq, 8, generator=g)
+    grad = torch.randn(2, 4, seq, 8, generator=g)
+    mask = None if causal else (torch.rand(2, 1, seq, seq, generator=g) < 0.5) | torch.eye(seq, dtype=torch.bool)
+    return dict(q=q, k=k, v=v, grad=grad, mask=mask)
+
+
+def sdpa_whole(seq: int, kv_heads: int, causal: bool) -> dict:
+    """The oracle of the ring tests: torch's SDPA on the whole sequence, its output and the
+    gradients of q, k and v."""
+    x = ring_inputs(seq, kv_heads, causal)
+    q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=x["mask"], is_causal=causal, enable_gqa=kv_heads != 4)
+    out.backward(x["grad"])
+    return dict(out=out.detach(), grads=[q.grad, k.grad, v.grad])

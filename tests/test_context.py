@@ -166,10 +166,9 @@ def test_explain_shows_the_rings_sends(dist):
 
 
 def _ring_direct(seq, kv_heads, causal, tile_bytes=None):
-    """ring_attention on this process's block of random q, k, v against torch's SDPA of the
-    whole (run by every process, on the same numbers), and the layouts its ring used."""
+    """ring_attention on this process's block of the ring tests' q, k, v (and mask rows): its
+    output, the gradients of its blocks, and the layouts its ring used."""
     import torch.distributed as dist_
-    import torch.nn.functional as F
 
     from torchspmd.engines.native.global_view import ring_attention as R
 
@@ -185,23 +184,14 @@ def _ring_direct(seq, kv_heads, causal, tile_bytes=None):
     R._Ring, original, tiles = Ring, R._Ring, R.TILE_BYTES
     R.TILE_BYTES = tile_bytes or tiles
     try:
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64).float().requires_grad_()
-        k = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
-        v = torch.randn(2, kv_heads, seq, 8, generator=g).requires_grad_()
-        grad = torch.randn(2, 4, seq, 8, generator=g)
-        # not causal: a random boolean mask per row (each row attends its own position)
-        mask = None if causal else (torch.rand(2, 1, seq, seq, generator=g) < 0.5) | torch.eye(seq, dtype=torch.bool)
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != 4)
-        want.backward(grad)
+        x = M.ring_inputs(seq, kv_heads, causal)
         (start, length), = R._in_order(seq, n)[me]
-        mine = [t.detach()[..., start:start + length, :].clone().requires_grad_() for t in (q, k, v)]
-        rows_mask = None if mask is None else mask[..., start:start + length, :]
-        got = R.ring_attention(*mine, group=dist_.group.WORLD, seq_len=seq, causal=causal, mask=rows_mask)
-        got.backward(grad[..., start:start + length, :])
         r = slice(start, start + length)
-        return dict(out=(got.detach(), want.detach()[..., r, :]),
-                    grads=[(m.grad, t.grad[..., r, :]) for m, t in zip(mine, (q, k, v))], layouts=used)
+        mine = [x[name][..., r, :].clone().requires_grad_() for name in "qkv"]
+        rows_mask = None if x["mask"] is None else x["mask"][..., r, :]
+        got = R.ring_attention(*mine, group=dist_.group.WORLD, seq_len=seq, causal=causal, mask=rows_mask)
+        got.backward(x["grad"][..., r, :])
+        return dict(out=got.detach(), grads=[m.grad for m in mine], rows=(start, length), layouts=used)
     finally:
         R._Ring, R.TILE_BYTES = original, tiles
 
@@ -217,11 +207,13 @@ def test_causal_ring_attention_runs_in_the_head_tail_layout(dist, n, seq, kv_hea
     order. ``tile``: the scores computed one query row at a time (TILE_BYTES that small)."""
     from torchspmd.engines.native.global_view import ring_attention as R
 
+    want = run_clean(M.sdpa_whole, seq, kv_heads, causal)  # torch's SDPA on the whole, in a clean process
     for r in dist(n).run(_ring_direct, seq, kv_heads, causal, tile):
-        got, want = r["out"]
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-        for got, want in r["grads"]:
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        start, length = r["rows"]
+        rows = slice(start, start + length)
+        torch.testing.assert_close(r["out"], want["out"][..., rows, :], rtol=RTOL, atol=ATOL)
+        for got, whole in zip(r["grads"], want["grads"]):
+            torch.testing.assert_close(got, whole[..., rows, :], rtol=RTOL, atol=ATOL)
         balanced = R._head_tail(seq, n) if causal else None
         assert r["layouts"] == [balanced if balanced else R._in_order(seq, n)], r["layouts"]
         if balanced:
